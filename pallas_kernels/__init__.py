@@ -1,0 +1,1 @@
+"""Pallas kernel library for mla_jax. Imports jax only, never mla_jax."""

@@ -1,0 +1,633 @@
+"""Running the model over several devices: the mesh, partition rules for every weight and cache array, and the
+shard_map islands where a Pallas kernel or the expert dispatch must see per-device pieces (DESIGN.md §7, §9).
+
+One mesh axis, `AXIS`, spans all devices (of all processes). Two attention modes share it:
+
+- tensor parallel (TP, vLLM's TP8): attention heads are split over devices. q_b_proj / q_proj / kv_b_proj
+  columns and o_proj rows are split by head, the absorbed W_UK / W_UV by head; tokens and the latent KV cache are
+  replicated, so every device writes the same latent and its mla_decode sees H/N heads of every sequence.
+- data-parallel attention (SGLang / tpu-inference style): decode-batch rows and their cache pages are split over
+  devices and every device holds all heads (attention weights replicated). Device d owns batch rows
+  [d·B/N, (d+1)·B/N) and global pages [d·P/N, (d+1)·P/N); its mla_decode sees its own sequences with all heads.
+  Cache capacity grows with the device count.
+
+In both modes the routed experts are split over devices (expert parallel: device d holds experts
+[d·E/N, (d+1)·E/N)), and dense MLPs, shared experts, embeddings and lm_head are tensor parallel.
+
+Everything outside the islands runs under `jax.jit` with the parameters placed by `ShardingPlan.place`; XLA's
+SPMD partitioner derives the collectives from the parameter shardings plus the few explicit token-layout
+constraints in `ShardingPlan.tokens` / `ShardingPlan.replicated`.
+
+The islands (`mla_decode`, `write_cache`, `experts`) run their body under `jax.shard_map(..., check_vma=False)`
+(Pallas kernels on sharded arrays outside shard_map raise; DESIGN §7).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+logger = logging.getLogger(__name__)
+
+AXIS = "devices"
+"""Name of the single mesh axis (over every device of every process)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mesh and multi-process start-up
+# ---------------------------------------------------------------------------------------------------------------
+
+def make_mesh(num_devices: Optional[int] = None, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A 1-D mesh named `AXIS` over `num_devices` devices (default: all devices of all processes).
+
+    The axis type is Auto: the model code is plain jnp and XLA's SPMD partitioner propagates the parameter
+    shardings through it."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if num_devices is None else int(num_devices)
+    if n < 1:
+        raise ValueError(f"the number of devices must be >= 1, got {num_devices}")
+    if n > len(devices):
+        raise ValueError(f"asked for {n} devices but only {len(devices)} are visible "
+                         f"({devices[0].platform}); use at most {len(devices)} or start more processes "
+                         "(see mla_jax.sharding.initialize_distributed)")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes the mesh must span all {len(devices)} devices "
+                         f"(asked for {n}): every process must own a part of it")
+    return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices[:n])
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int,
+                           local_device_ids: Optional[Sequence[int]] = None) -> None:
+    """jax.distributed.initialize for a run spread over processes (one per host, or several on one host).
+
+    Call it before anything touches a jax device. On CPU, cross-process collectives need the gloo
+    implementation, which this selects."""
+    if num_processes < 1 or not (0 <= process_id < num_processes):
+        raise ValueError(f"need 0 <= process_id < num_processes, got process_id={process_id}, "
+                         f"num_processes={num_processes}")
+    platforms = str(jax.config.jax_platforms or "")
+    if platforms.startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=local_device_ids)
+    logger.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
+                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partition rules
+# ---------------------------------------------------------------------------------------------------------------
+
+class Layout(enum.Enum):
+    """How one parameter array is laid out over the mesh axis."""
+    REPLICATED = "replicated"
+    COLUMN = "column"      # output features split: the last axis ([in, out] kernels, AWQ qweight/qzeros/scales, bias)
+    ROW = "row"            # input features split: the first axis of 2-D arrays; 1-D arrays (a bias) replicated
+    EXPERTS = "experts"    # the leading expert axis of stacked expert weights
+    HEADS = "heads"        # the leading head axis of absorbed W_UK [H, nope, kv_lora] / W_UV [H, v, kv_lora]
+    HIDDEN = "hidden"      # embedding table [V, D]: the hidden axis
+
+
+# (regex searched in the parameter path, layout with TP attention, layout with data-parallel attention).
+# Paths are the module attribute names joined by "/" (e.g. "layers/3/self_attn/q_b_proj/kernel"). The first
+# rule that matches wins; a parameter that matches none is an error, so every new weight gets a rule here.
+PARTITION_RULES: tuple[tuple[str, Layout, Layout], ...] = (
+    (r"^embed_tokens/", Layout.HIDDEN, Layout.HIDDEN),
+    (r"(^|/)(input_layernorm|post_attention_layernorm)/", Layout.REPLICATED, Layout.REPLICATED),
+    (r"/self_attn/(q_a_proj|q_a_layernorm|kv_a_proj_with_mqa|kv_a_layernorm)/", Layout.REPLICATED,
+     Layout.REPLICATED),
+    (r"/self_attn/(q_b_proj|q_proj|kv_b_proj)/", Layout.COLUMN, Layout.REPLICATED),
+    (r"/self_attn/o_proj/", Layout.ROW, Layout.REPLICATED),
+    (r"(^|/)(w_uk|w_uv)(/|$)", Layout.HEADS, Layout.REPLICATED),
+    (r"/mlp/experts/", Layout.EXPERTS, Layout.EXPERTS),
+    (r"/mlp/gate/", Layout.REPLICATED, Layout.REPLICATED),                 # router kernel [D, E] + bias [E]
+    (r"/mlp/(shared_experts/)?(gate_proj|up_proj)/", Layout.COLUMN, Layout.COLUMN),
+    (r"/mlp/(shared_experts/)?down_proj/", Layout.ROW, Layout.ROW),
+    (r"^norm/", Layout.REPLICATED, Layout.REPLICATED),
+    (r"^lm_head/", Layout.COLUMN, Layout.COLUMN),
+)
+_COMPILED_RULES = tuple((re.compile(rx), tp, dp) for rx, tp, dp in PARTITION_RULES)
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+    """'layers/3/self_attn/q_b_proj/kernel' from a jax key path or a tuple of names (nnx's `.value` dropped)."""
+    parts = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            k = k.key
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            k = k.name
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            k = k.idx
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            k = k.key
+        parts.append(str(k))
+    while parts and parts[-1] in ("value", "raw_value"):
+        parts.pop()
+    return "/".join(parts)
+
+
+def layout_for(path: str, data_parallel_attention: bool) -> Layout:
+    for rx, tp, dp in _COMPILED_RULES:
+        if rx.search(path):
+            return dp if data_parallel_attention else tp
+    raise ValueError(f"no partition rule for parameter {path!r}; add one to mla_jax.sharding.PARTITION_RULES "
+                     "(every weight must say how it is split over devices)")
+
+
+def _split_axis(layout: Layout, ndim: int) -> Optional[int]:
+    """The array axis that `layout` splits, or None (replicated)."""
+    if layout is Layout.REPLICATED or ndim == 0:
+        return None
+    if layout is Layout.COLUMN:
+        return ndim - 1
+    if layout is Layout.ROW:
+        return 0 if ndim >= 2 else None
+    if layout in (Layout.EXPERTS, Layout.HEADS):
+        return 0
+    if layout is Layout.HIDDEN:
+        return ndim - 1 if ndim >= 2 else None
+    raise AssertionError(layout)
+
+
+def spec_for(path: str, shape: Sequence[int], num_devices: int, data_parallel_attention: bool) -> P:
+    """PartitionSpec of parameter `path` of `shape`; raises ValueError when the split axis does not divide."""
+    layout = layout_for(path, data_parallel_attention)
+    axis = _split_axis(layout, len(shape))
+    if axis is None or num_devices == 1:
+        return P()
+    size = shape[axis]
+    if size % num_devices:
+        what = {Layout.COLUMN: "output features", Layout.ROW: "input features (or quantization groups)",
+                Layout.EXPERTS: "experts", Layout.HEADS: "heads", Layout.HIDDEN: "hidden size"}[layout]
+        raise ValueError(
+            f"cannot split parameter {path!r} of shape {tuple(shape)} over {num_devices} devices "
+            f"({layout.value}-parallel): axis {axis} ({what}) has size {size}, which {num_devices} does not "
+            f"divide. Use a device count that divides {size} (one of {_divisors(size)}).")
+    return P(*([None] * axis), AXIS)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_config(cfg, num_devices: int, data_parallel_attention: bool) -> None:
+    """Clear errors for model sizes the device count cannot split (before anything is loaded)."""
+    if num_devices < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {num_devices}")
+    if num_devices == 1:
+        return
+    heads = cfg.num_attention_heads
+    if not data_parallel_attention and heads % num_devices:
+        raise ValueError(
+            f"tensor_parallel_size={num_devices} does not divide num_attention_heads={heads}: tensor-parallel "
+            f"attention gives every device the same number of heads. Use one of {_divisors(heads)}, or "
+            "data_parallel_attention=True (all heads on every device, sequences split instead).")
+    experts = cfg.n_routed_experts
+    if experts and experts % num_devices:
+        raise ValueError(
+            f"tensor_parallel_size={num_devices} does not divide n_routed_experts={experts}: expert parallelism "
+            f"gives every device the same number of experts. Use one of {_divisors(experts)}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cache_page_axis(ndim: int) -> int:
+    """Cache arrays end in [pages, page_size, features] (a stacked cache has leading layer axes)."""
+    if ndim < 3:
+        raise ValueError(f"a KV-cache array has >= 3 axes [..., pages, page_size, features], got ndim={ndim}")
+    return ndim - 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Where every array of a run lives, and the shard_map islands that need per-device views.
+
+    mesh: 1-D mesh (axis `AXIS`); data_parallel_attention: see the module docstring.
+    """
+    mesh: Mesh
+    data_parallel_attention: bool = False
+
+    @classmethod
+    def create(cls, cfg, tensor_parallel_size: int = 1, data_parallel_attention: bool = False,
+               devices: Optional[Sequence[jax.Device]] = None) -> "ShardingPlan":
+        check_config(cfg, tensor_parallel_size, data_parallel_attention)
+        plan = cls(make_mesh(tensor_parallel_size, devices), bool(data_parallel_attention))
+        logger.info("sharding: %d device(s), attention %s, experts split %s", plan.num_devices,
+                    "data-parallel (sequences and cache pages split)" if plan.data_parallel_attention
+                    else "tensor-parallel (heads split, cache replicated)",
+                    "over devices" if cfg.n_routed_experts else "(no routed experts)")
+        return plan
+
+    # ---- basics ---------------------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.shape[AXIS]
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    # ---- parameters -----------------------------------------------------------------------------------------
+    def param_spec(self, path: str, shape: Sequence[int]) -> P:
+        return spec_for(path, shape, self.num_devices, self.data_parallel_attention)
+
+    def param_specs(self, state) -> Any:
+        """PartitionSpecs for a pytree of parameters (an nnx.State, abstract or concrete), same structure."""
+        return jax.tree_util.tree_map_with_path(lambda kp, x: self.param_spec(path_str(kp), x.shape), state)
+
+    def param_shardings(self, state) -> Any:
+        return jax.tree.map(self.sharding, self.param_specs(state))
+
+    def place(self, state) -> Any:
+        """Moves an in-memory parameter pytree onto the mesh by the rules. Each device receives its shard only
+        (device_put of a host/one-device array transfers the slices). For checkpoints, prefer the loaders,
+        which never build the full array (`mla_jax.sharding.load_sharded`)."""
+        return jax.device_put(state, self.param_shardings(state))
+
+    # ---- KV cache -------------------------------------------------------------------------------------------
+    def cache_spec(self, ndim: int) -> P:
+        """TP: replicated. DP attention: the page axis split (each device holds 1/N of the pages)."""
+        axis = _cache_page_axis(ndim)
+        if not self.data_parallel_attention or self.num_devices == 1:
+            return P()
+        return P(*([None] * axis), AXIS)
+
+    def cache_specs(self, cache) -> Any:
+        return jax.tree.map(lambda a: self.cache_spec(a.ndim), cache)
+
+    def cache_shardings(self, cache) -> Any:
+        return jax.tree.map(lambda a: self.sharding(self.cache_spec(a.ndim)), cache)
+
+    def check_cache_size(self, num_pages: int, max_num_seqs: int) -> None:
+        """With data-parallel attention pages and batch rows are split evenly; say so when they cannot be."""
+        if not self.data_parallel_attention:
+            return
+        n = self.num_devices
+        if num_pages % n:
+            raise ValueError(f"data-parallel attention over {n} devices splits the KV cache's pages evenly: "
+                             f"num_pages={num_pages} is not a multiple of {n}")
+        if max_num_seqs % n:
+            raise ValueError(f"data-parallel attention over {n} devices splits the batch evenly: "
+                             f"max_num_seqs={max_num_seqs} is not a multiple of {n}")
+
+    def page_owner(self, page: int, num_pages: int) -> int:
+        """The device (mesh position) that holds global page `page` with data-parallel attention."""
+        return page // (num_pages // self.num_devices)
+
+    # ---- activation layout (call inside jitted step functions) -----------------------------------------------
+    def decode_rows(self, x: jax.Array) -> jax.Array:
+        """Constrains decode-step activations [B, ...] to the decode row layout: replicated with TP attention,
+        rows split (device d: rows [d·B/N, (d+1)·B/N)) with data-parallel attention."""
+        if self.num_devices == 1:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding(self.decode_row_spec))
+
+    @property
+    def decode_row_spec(self) -> P:
+        return P(AXIS) if self.data_parallel_attention else P()
+
+    def replicated(self, x):
+        """Constrains arrays (a pytree) to be replicated: every device holds all of it."""
+        if self.num_devices == 1:
+            return x
+        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, self.replicated_sharding), x)
+
+    def heads(self, x: jax.Array, axis: int) -> jax.Array:
+        """Constrains a per-head activation (e.g. q [N, C, H, d]) to be split over devices along its head `axis`.
+
+        Prefill attention runs head-parallel in both modes: with TP attention that is where the weights put it
+        anyway; with data-parallel attention (replicated weights, replicated prefill tokens) it keeps every
+        device from computing all heads of every prompt token."""
+        if self.num_devices == 1:
+            return x
+        axis = axis % x.ndim
+        return jax.lax.with_sharding_constraint(x, self.sharding(P(*([None] * axis), AXIS)))
+
+    def mlp(self, module, x: jax.Array, *, decode: bool) -> jax.Array:
+        """`module(x)` for a decoder layer's MLP (dense `MLP` or `MoE`) with the parallel layout made explicit:
+        tokens are replicated into the layer (with data-parallel attention during decode that is an all-gather
+        of the devices' rows), dense MLP and shared experts run tensor-parallel, routed experts expert-parallel
+        (`experts`), and the result goes back to the caller's layout (`decode`: the decode row layout, else
+        replicated). Same math as module(x) (MoE.__call__: route, routed experts, + shared experts)."""
+        if self.num_devices == 1:
+            return module(x)
+        from mla_jax.model.moe import MoE
+        rows_split = decode and self.data_parallel_attention
+        back = self.decode_rows if decode else self.replicated
+        x = self.replicated(x)
+        if not isinstance(module, MoE):
+            return back(module(x))
+        flat = x.reshape(-1, x.shape[-1])
+        topk_idx, topk_w = module.route(flat)
+        out = self.experts(module.experts, flat, topk_idx, topk_w, scatter_rows=rows_split).reshape(x.shape)
+        if module.shared_experts is not None:
+            out = out + back(module.shared_experts(x))
+        return out
+
+    # ---- islands --------------------------------------------------------------------------------------------
+    def mla_decode(self, q: jax.Array, cache, block_table: jax.Array, seq_lens: jax.Array, **kwargs):
+        """pallas_kernels.mla_decode on each device's part: TP — all sequences, H/N heads (q [B, Sq, H, 576]
+        split on H, the replicated cache); DP attention — B/N sequences with all heads, the device's own cache
+        pages (block-table entries are global page ids; each device maps them to its local pages, and entries
+        of pages it does not own — only ever padding — to its local page 0)."""
+        import pallas_kernels
+        if self.num_devices == 1:
+            return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+        if self.data_parallel_attention:
+            pages_local = _num_pages(cache) // self.num_devices
+
+            def body(q, cache, block_table, seq_lens):
+                first = jax.lax.axis_index(AXIS) * pages_local
+                local = block_table - first
+                local = jnp.where((local >= 0) & (local < pages_local), local, 0)
+                return pallas_kernels.mla_decode(q, cache, local, seq_lens, **kwargs)
+
+            rows = P(AXIS)
+            in_specs = (rows, self.cache_specs(cache), rows, rows)
+            out_specs = (rows, rows)
+        else:
+            def body(q, cache, block_table, seq_lens):
+                return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+
+            heads = P(None, None, AXIS)
+            in_specs = (heads, self.cache_specs(cache), P(), P())
+            out_specs = (heads, P(None, AXIS))          # out [B, Sq, H, 512], lse [B, H, Sq]
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)(q, cache, block_table, seq_lens)
+
+    def write_cache(self, cache, slots: jax.Array, latent: jax.Array, rope: jax.Array):
+        """cache.write(slots, latent, rope) with global slots (page·page_size + offset). TP: every device writes
+        every token into its replicated copy (plain SPMD). DP attention: every device receives all tokens and
+        writes those whose page it owns, at its local slot; the others are dropped. (Tokens need not be
+        arranged by device, so prefill batches can be packed freely.)"""
+        if self.num_devices == 1 or not self.data_parallel_attention:
+            return cache.write(slots, latent, rope)
+        pages_local = _num_pages(cache) // self.num_devices
+        page_size = _page_size(cache)
+
+        def body(cache, slots, latent, rope):
+            first = jax.lax.axis_index(AXIS) * (pages_local * page_size)
+            local = slots - first
+            owned = (local >= 0) & (local < pages_local * page_size)
+            # Out-of-range slots are dropped by the scatter (jnp .at[].set drops out-of-bounds updates).
+            local = jnp.where(owned, local, pages_local * page_size)
+            return cache.write(local, latent, rope)
+
+        specs = self.cache_specs(cache)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()), out_specs=specs,
+                             check_vma=False)(cache, slots, latent, rope)
+
+    def read_pages(self, cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cache.gather(block_table) (each row's pages, dequantized: latent [N, P·ps, 512], rope [N, P·ps, 64])
+        with the rows replicated. TP: plain (the cache is replicated). DP attention: each device gathers the
+        pages it owns and zeros the rest, and a sum over devices assembles every row (each page has exactly one
+        owner). Used by the prefill step to read a chunk's cached prefix."""
+        if self.num_devices == 1 or not self.data_parallel_attention:
+            return cache.gather(block_table)
+        pages_local = _num_pages(cache) // self.num_devices
+        page_size = _page_size(cache)
+
+        def body(cache, block_table):
+            local = block_table - jax.lax.axis_index(AXIS) * pages_local
+            owned = (local >= 0) & (local < pages_local)                        # [N, P]
+            latent, rope = cache.gather(jnp.where(owned, local, 0))
+            owned_tok = jnp.repeat(owned, page_size, axis=1)[..., None]         # [N, P·ps, 1]
+            latent = jnp.where(owned_tok, latent, 0)
+            rope = jnp.where(owned_tok, rope, 0)
+            return jax.lax.psum(latent, AXIS), jax.lax.psum(rope, AXIS)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(self.cache_specs(cache), P()), out_specs=(P(), P()),
+                             check_vma=False)(cache, block_table)
+
+    def experts(self, experts_module, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array, *,
+                scatter_rows: bool = False) -> jax.Array:
+        """Expert-parallel routed experts: Σ_k w[t,k]·expert_{idx[t,k]}(x[t]) with the experts split over devices.
+
+        x [T, D], topk_idx / topk_w [T, K], replicated (every device sees every token: that is the dispatch).
+        Each device runs its own E/N experts on the pairs routed to them; pairs routed elsewhere go to its first
+        expert with weight 0 (the Experts call contract has no "no expert" index). Combine: a sum over devices in
+        fp32 — psum (result replicated) or, with scatter_rows, psum_scatter (device d keeps rows
+        [d·T/N, (d+1)·T/N), the decode row layout of data-parallel attention). Returns [T, D] in x.dtype."""
+        if self.num_devices == 1:
+            return experts_module(x, topk_idx, topk_w)
+        from flax import nnx
+        n = self.num_devices
+        graphdef, state = nnx.split(experts_module)
+        num_local = _leading_dim(state) // n
+        if scatter_rows and x.shape[0] % n:
+            raise ValueError(f"{x.shape[0]} token rows do not split evenly over {n} devices (data-parallel "
+                             "attention needs the decode batch padded to a multiple of the device count)")
+
+        def body(state, x, topk_idx, topk_w):
+            local = topk_idx - jax.lax.axis_index(AXIS) * num_local
+            mine = (local >= 0) & (local < num_local)
+            y = nnx.merge(graphdef, state)(x, jnp.where(mine, local, 0), jnp.where(mine, topk_w, 0))
+            # Sum partial outputs in fp32: a bf16 sum over devices would round N-1 more times than one device.
+            y = y.astype(jnp.float32)
+            if scatter_rows:
+                y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+            else:
+                y = jax.lax.psum(y, AXIS)
+            return y.astype(x.dtype)
+
+        state_specs = jax.tree.map(lambda a: P(AXIS), state)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(state_specs, P(), P(), P()),
+                             out_specs=P(AXIS) if scatter_rows else P(),
+                             check_vma=False)(state, x, topk_idx, topk_w)
+
+
+def _num_pages(cache) -> int:
+    leaf = jax.tree.leaves(cache)[0]
+    return leaf.shape[_cache_page_axis(leaf.ndim)]
+
+
+def _page_size(cache) -> int:
+    if hasattr(cache, "page_size"):
+        return int(cache.page_size)
+    leaf = jax.tree.leaves(cache)[0]
+    return leaf.shape[leaf.ndim - 2]
+
+
+def _leading_dim(state) -> int:
+    dims = {a.shape[0] for a in jax.tree.leaves(state)}
+    if len(dims) != 1:
+        raise ValueError(f"expert parameters must all lead with the expert axis; leading sizes seen: {dims}")
+    return dims.pop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory accounting (dry runs and reports)
+# ---------------------------------------------------------------------------------------------------------------
+
+def bytes_per_device(arrays, shardings) -> int:
+    """Bytes one device holds for a pytree of (abstract) arrays laid out by matching shardings."""
+    total = 0
+    for a, s in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(
+            x, NamedSharding))):
+        total += math.prod(s.shard_shape(a.shape)) * dtype_bits(a.dtype) // 8
+    return total
+
+
+def dtype_bits(dtype) -> int:
+    """Storage bits per element on the device (XLA packs 4-bit types two per byte)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.name in ("int4", "uint4", "float4_e2m1fn"):
+        return 4
+    return dtype.itemsize * 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host <-> global arrays (also across processes)
+# ---------------------------------------------------------------------------------------------------------------
+
+def put_global(plan: ShardingPlan, tree, spec: P = P()):
+    """Host arrays (identical in every process) -> global arrays laid out by `spec` on the plan's mesh. Each
+    device receives only its slice; works with several processes, where jit refuses host (numpy) arguments."""
+    sharding = plan.sharding(spec)
+
+    def one(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx], dtype=a.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def fetch(x) -> np.ndarray:
+    """A global array -> numpy in this process. It must be replicated (or live on this process's devices only):
+    constrain step outputs the host reads with `ShardingPlan.replicated`."""
+    if not (x.is_fully_replicated or x.is_fully_addressable):
+        raise ValueError(f"cannot read an array sharded as {x.sharding} across processes on one host; replicate it "
+                         "in the jitted step (ShardingPlan.replicated) before reading it")
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(x.addressable_data(0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sharded loading of HF safetensors checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+def _hf_index(our_index: tuple, our_shape: tuple, hf_shape: tuple, transpose: bool):
+    """Map a slice of our parameter (per-expert part only) to a slice of the HF tensor, or None where the layout
+    change does not allow it (then the whole tensor is read). Handles transposed kernels ([out, in] -> [in, out])
+    and packed axes (AWQ int32 holding 8 int4 values: our axis is 8x the HF axis)."""
+    axes = list(range(len(our_shape)))
+    if transpose:
+        axes = axes[::-1]
+    hf_idx = [slice(None)] * len(hf_shape)
+    for ours, sl in enumerate(our_index):
+        hf_axis = axes[ours]
+        start, stop, step = sl.indices(our_shape[ours])
+        if step != 1:
+            return None
+        factor = our_shape[ours] // hf_shape[hf_axis]
+        if factor * hf_shape[hf_axis] != our_shape[ours] or start % factor or stop % factor:
+            return None
+        hf_idx[hf_axis] = slice(start // factor, stop // factor)
+    return tuple(hf_idx)
+
+
+def load_sharded(path, plan: ShardingPlan, dtype="float32"):
+    """(model, cfg) from an HF checkpoint directory with every parameter placed by the plan's rules as it is
+    read: each device's slice is read from the safetensors file directly (jax.make_array_from_callback over
+    safetensors slices), so no process holds a full copy of a sharded weight, and with several processes each
+    reads only what its own devices hold. Same checks as mla_jax.load_model (names, shapes, dtypes)."""
+    import contextlib
+    import os
+
+    from flax import nnx
+    from safetensors import safe_open
+
+    from mla_jax.checkpoint import hf
+    from mla_jax.config import ModelConfig
+    from mla_jax.model.transformer import DeepseekV3
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
+    cfg = ModelConfig.from_pretrained(path)
+    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
+    jdtype = hf._resolve_dtype(dtype)
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
+    model_dtype = np.dtype(jdtype)
+    targets = hf.hf_param_map(cfg)
+    index = hf.read_tensor_index(path)
+
+    # Names and shapes, from headers, before any data (the messages of mla_jax.checkpoint.hf).
+    for name, (fn, shape, _) in index.items():
+        if name in targets:
+            if tuple(shape) != tuple(targets[name].hf_shape):
+                raise ValueError(f"tensor {name!r} in {os.path.basename(fn)} has shape {tuple(shape)}, but the "
+                                 f"model (from config.json) expects shape {tuple(targets[name].hf_shape)}")
+        elif not (hf._mtp_layer(name, cfg) or name.endswith(hf._IGNORED_SUFFIXES)
+                  or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+            raise ValueError(f"unexpected tensor {name!r} with shape {tuple(shape)} in {os.path.basename(fn)}: "
+                             "no parameter of the model (from config.json) has that name")
+    missing = [n for n in targets if n not in index]
+    if missing:
+        shown = "; ".join(f"{n} (expected shape {targets[n].hf_shape})" for n in missing[:8])
+        raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}")
+
+    groups: dict[tuple, dict] = {}          # param path -> {expert index or None: hf name}
+    for name, t in targets.items():
+        groups.setdefault(t.path, {})[t.expert] = name
+
+    with contextlib.ExitStack() as stack:
+        files: dict[str, Any] = {}
+
+        def read(name: str, idx: Optional[tuple]) -> np.ndarray:
+            fn = index[name][0]
+            if fn not in files:
+                files[fn] = stack.enter_context(safe_open(fn, framework="numpy"))
+            sl = files[fn].get_slice(name)
+            return sl[idx] if idx is not None else sl[:]
+
+        def piece(name: str, our_index: tuple, our_shape: tuple) -> np.ndarray:
+            """Our parameter's slice `our_index` of the (per-expert) tensor `name`."""
+            t = targets[name]
+            hf_idx = _hf_index(our_index, our_shape, t.hf_shape, t.transpose)
+            arr = hf._convert(read(name, hf_idx), index[name][2], t, model_dtype, name)
+            if hf_idx is None:
+                arr = arr[our_index]
+            want = tuple(len(range(*s.indices(n))) for s, n in zip(our_index, our_shape))
+            if arr.shape != want:
+                raise ValueError(f"internal: slice {our_index} of {name} converted to shape {arr.shape}, "
+                                 f"expected {want}")
+            return arr
+
+        for ppath, names in groups.items():
+            t0 = targets[next(iter(names.values()))]
+            var = getattr(hf._module_at(model, t0.module), t0.param)
+            abstract = var.get_value()
+            shape, pdtype = tuple(abstract.shape), abstract.dtype
+            sharding = plan.sharding(plan.param_spec(path_str(ppath), shape))
+            if None in names:                                 # one HF tensor -> the whole parameter
+                def cb(idx, name=names[None], shape=shape):
+                    return piece(name, idx, shape)
+            else:                                             # per-expert HF tensors -> stacked [E, ...]
+                if sorted(names) != list(range(shape[0])):
+                    raise ValueError(f"internal: experts of {ppath} in the name map: {sorted(names)}")
+
+                def cb(idx, names=names, shape=shape):
+                    experts = range(*idx[0].indices(shape[0]))
+                    return np.stack([piece(names[e], idx[1:], shape[1:]) for e in experts])
+            var.set_value(jax.make_array_from_callback(shape, sharding, cb, dtype=pdtype))
+
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        if isinstance(v.get_value(), jax.ShapeDtypeStruct):
+            raise ValueError(f"parameter {p} was not filled by any checkpoint tensor (hf_param_map is incomplete)")
+    return model, cfg

@@ -53,6 +53,9 @@ class ParamTarget:
     expert: int | None = None
     dtype: str | None = None
     quantizable: bool = False
+    # AWQ hook (mla_jax.quant.awq.awq_linear_targets): when set, convert(host_array) -> final host array (layout
+    # and dtype, e.g. int32-packed AWQ -> int4); transpose/dtype are then not applied.
+    convert: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def path(self) -> tuple[str | int, ...]:
@@ -182,6 +185,8 @@ def _module_at(model: nnx.Module, module_path: tuple) -> Any:
 
 
 def _convert(arr: np.ndarray, st_dtype: str, target: ParamTarget, model_dtype: np.dtype, name: str) -> np.ndarray:
+    if target.convert is not None:
+        return target.convert(arr)
     if target.dtype is not None and jnp.issubdtype(np.dtype(target.dtype), np.integer):
         if st_dtype not in _INT_DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {st_dtype}; expected an integer tensor ({target.dtype})")
@@ -307,6 +312,9 @@ def load_model(path: str | os.PathLike, dtype: Any = "float32", *,
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
+    from mla_jax.checkpoint.converted import is_converted, load_converted  # scripts/convert.py output
+    if is_converted(path):
+        return load_converted(path, dtype, put=put)
     cfg = ModelConfig.from_pretrained(path)
     jdtype = _resolve_dtype(dtype)
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))

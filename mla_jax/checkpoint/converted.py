@@ -1,0 +1,286 @@
+"""The converted checkpoint format: our parameter layout in orbax, plus a manifest that is checked at load.
+
+    DST/
+      config.json, tokenizer files, ...   copied from the HF source unchanged (quantization_config included)
+      manifest.json                       {"format": "mla_jax.converted", "version": 1, "storage_dtype", "groups",
+                                           "tensors": {name: {"group", "shape", "dtype", "crc32"}}}
+      weights/<group>/                    one orbax PyTree checkpoint per group: "model" (embeddings, final norm,
+                                          lm_head) and "layers.<i>" per decoder layer; keys are the names below
+
+A tensor's name is its NNX parameter path joined by dots, e.g. "layers.3.self_attn.q_a_proj.kernel" or
+"layers.3.mlp.experts.w_gate_qweight"; its value is exactly what the model holds (kernels [in, out], stacked
+experts [E, ...], AWQ int4 weights/zeros and fp16 scales), so loading is a read and a device_put: no transposes,
+no unpacking, no expert stacking. Floating-point parameters that follow the model dtype are stored in the source
+checkpoint's dtype (the widest float dtype among them, so nothing is rounded) and cast at load, exactly as the HF
+loader casts; fixed-dtype parameters (fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the
+converter's host memory at one layer and let a loader stream.
+
+`load_converted` checks names, shapes and dtypes against both the manifest and the model built from config.json,
+and (by default) each tensor's crc32, raising an error that names the bad tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from mla_jax.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "mla_jax.converted"
+VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "weights"
+# Weight files of other formats that are never copied into a converted directory.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+_ST_FLOATS = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
+
+
+def is_converted(path) -> bool:
+    """True when `path` is a directory written by `convert_checkpoint` (has a manifest of our format)."""
+    mpath = os.path.join(os.fspath(path), MANIFEST)
+    if not os.path.isfile(mpath):
+        return False
+    try:
+        with open(mpath) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def param_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def group_of(path: tuple) -> str:
+    return f"layers.{path[1]}" if path[0] == "layers" else "model"
+
+
+def crc32(arr: np.ndarray) -> int:
+    """crc32 of the array's bytes in C order (1 byte per element for int4)."""
+    return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+
+
+def _abstract_params(cfg: ModelConfig, dtype) -> tuple[nnx.Module, dict[str, tuple[tuple, Any]]]:
+    """The model built abstractly and {name: (path, ShapeDtypeStruct)} of every parameter, in tree order."""
+    from mla_jax.model.transformer import DeepseekV3
+
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    params = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        params[param_name(path)] = (tuple(path), var.get_value())
+    return model, params
+
+
+def _variable(model: nnx.Module, path: tuple):
+    obj = model
+    for p in path[:-1]:
+        obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+    return getattr(obj, path[-1])
+
+
+def _storage_dtype(cfg: ModelConfig, src: str) -> np.dtype:
+    """Widest float dtype among the source tensors that become model-dtype parameters."""
+    from mla_jax.checkpoint.hf import hf_param_map, read_tensor_index
+
+    targets = hf_param_map(cfg)
+    found = set()
+    for name, (_, _, st_dtype) in read_tensor_index(src).items():
+        t = targets.get(name)
+        if t is not None and t.dtype is None and t.convert is None and st_dtype in _ST_FLOATS:
+            found.add(_ST_FLOATS[st_dtype])
+    if not found:
+        return np.dtype(np.float32)
+    return np.dtype(np.result_type(*found))
+
+
+def _copy_side_files(src: str, dst: str) -> list[str]:
+    copied = []
+    for entry in sorted(os.listdir(src)):
+        p = os.path.join(src, entry)
+        if (not os.path.isfile(p) or entry.startswith(".") or entry.endswith(_WEIGHT_SUFFIXES)
+                or entry in ("model.safetensors.index.json", MANIFEST)):
+            continue
+        shutil.copy2(p, os.path.join(dst, entry))
+        copied.append(entry)
+    return copied
+
+
+def _save_group(directory: str, tree: dict[str, np.ndarray]) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.PyTreeCheckpointer(use_compression=False)
+    ckpt.save(directory, args=ocp.args.PyTreeSave(tree))
+
+
+def _restore_group(directory: str, names: list[str]) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.PyTreeCheckpointer(use_compression=False)
+    args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+    return ckpt.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def convert_checkpoint(src, dst, *, force: bool = False, progress: bool = True) -> dict:
+    """HF checkpoint directory (AWQ or not) -> converted directory (see module docstring). Returns the manifest.
+
+    Written to a temporary sibling directory and renamed at the end; refuses to overwrite `dst` unless force."""
+    from tqdm import tqdm
+
+    from mla_jax.checkpoint.hf import load_hf_weights
+
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise FileNotFoundError(f"{src} has no config.json; expected a Hugging Face model directory")
+    if is_converted(src):
+        raise ValueError(f"{src} is already a converted directory; load it directly")
+    if dst == src or dst.startswith(src + os.sep):
+        raise ValueError(f"destination {dst} must not be the source directory or inside it")
+    if os.path.exists(dst) and not force:
+        raise FileExistsError(f"{dst} already exists; pass --force (force=True) to replace it")
+
+    cfg = ModelConfig.from_pretrained(src)
+    storage = _storage_dtype(cfg, src)
+    model, params = _abstract_params(cfg, storage.type)
+    groups: dict[str, set[str]] = {}
+    for name, (path, _) in params.items():
+        groups.setdefault(group_of(path), set()).add(name)
+
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, WEIGHTS))
+    tensors: dict[str, dict] = {}
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    bar = tqdm(total=len(params), unit="tensor", desc=f"convert {os.path.basename(src)}", disable=not progress)
+
+    def capture(path: tuple, arr: np.ndarray):
+        name, group = param_name(path), group_of(path)
+        arr = np.ascontiguousarray(arr)
+        tensors[name] = {"group": group, "shape": list(arr.shape), "dtype": str(arr.dtype), "crc32": crc32(arr)}
+        pending.setdefault(group, {})[name] = arr
+        if len(pending[group]) == len(groups[group]):
+            _save_group(os.path.join(tmp, WEIGHTS, group), pending.pop(group))
+        bar.update(1)
+        # The loader only needs a placeholder of the right shape; the data is already on its way to disk.
+        return np.broadcast_to(np.zeros((), arr.dtype), arr.shape)
+
+    try:
+        t0 = time.perf_counter()
+        load_hf_weights(model, cfg, src, put=capture)
+        bar.close()
+        if pending:
+            raise RuntimeError(f"internal: groups never completed: {sorted(pending)}")
+        copied = _copy_side_files(src, tmp)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "source": os.path.basename(src),
+            "storage_dtype": str(storage),
+            "quantization": cfg.quantization is not None,
+            "side_files": copied,
+            "groups": sorted(groups),
+            "tensors": {n: tensors[n] for n in params},
+        }
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        if os.path.exists(dst):
+            old = f"{tmp}.old"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, dst)
+        logger.info("converted %s -> %s: %d tensors in %.1fs", src, dst, len(params), time.perf_counter() - t0)
+        return manifest
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_against_manifest(manifest: dict, params: dict, model_dtype: np.dtype, path: str) -> None:
+    entries = manifest.get("tensors", {})
+    missing = [n for n in params if n not in entries]
+    if missing:
+        raise ValueError(f"converted checkpoint {path}: manifest lacks tensor {missing[0]!r} that the model "
+                         f"(from config.json) needs ({len(missing)} missing); re-run scripts/convert.py")
+    extra = [n for n in entries if n not in params]
+    if extra:
+        raise ValueError(f"converted checkpoint {path}: manifest names tensor {extra[0]!r} that the model "
+                         f"(from config.json) does not have ({len(extra)} extra); config.json and weights disagree")
+    for name, (_, want) in params.items():
+        e = entries[name]
+        if tuple(e["shape"]) != tuple(want.shape):
+            raise ValueError(f"converted checkpoint {path}: tensor {name!r} has shape {tuple(e['shape'])} in the "
+                             f"manifest, the model expects {tuple(want.shape)}")
+        stored, held = np.dtype(e["dtype"]), np.dtype(want.dtype)
+        castable = (held == model_dtype and jnp.issubdtype(stored, jnp.floating))
+        if stored != held and not castable:
+            raise ValueError(f"converted checkpoint {path}: tensor {name!r} is stored as {stored}, the model "
+                             f"holds it as {held}")
+
+
+def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tuple, np.ndarray], jax.Array]] = None,
+                   verify_checksums: bool = True):
+    """Converted directory -> (DeepseekV3 model, ModelConfig); same contract as `mla_jax.load_model`.
+
+    put(param_path, host_array) places each parameter (default jnp.asarray), as in the HF loader."""
+    from mla_jax.checkpoint.hf import _resolve_dtype
+
+    path = os.fspath(path)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r}"
+                         f" is not {FORMAT!r} version {VERSION}; re-run scripts/convert.py")
+    cfg = ModelConfig.from_pretrained(path)
+    jdtype = _resolve_dtype(dtype)
+    model, params = _abstract_params(cfg, jdtype)
+    model_dtype = np.dtype(jdtype)
+    _check_against_manifest(manifest, params, model_dtype, path)
+    put = put or (lambda _p, a: jnp.asarray(a))
+    entries = manifest["tensors"]
+
+    by_group: dict[str, list[str]] = {}
+    for name in params:
+        by_group.setdefault(entries[name]["group"], []).append(name)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        for group, names in by_group.items():
+            gdir = os.path.join(path, WEIGHTS, group)
+            if not os.path.isdir(gdir):
+                raise ValueError(f"converted checkpoint {path}: weights/{group} is missing (holds tensor "
+                                 f"{names[0]!r}); re-run scripts/convert.py")
+            arrays = _restore_group(gdir, names)
+            for name in names:
+                a, e = arrays[name], entries[name]
+                if tuple(a.shape) != tuple(e["shape"]) or str(a.dtype) != e["dtype"]:
+                    raise ValueError(f"converted checkpoint {path}: tensor {name!r} on disk is {a.dtype}"
+                                     f"{tuple(a.shape)}, the manifest says {e['dtype']}{tuple(e['shape'])}")
+            if verify_checksums:
+                sums = dict(zip(names, pool.map(lambda n: crc32(arrays[n]), names)))
+                for name in names:
+                    if sums[name] != entries[name]["crc32"]:
+                        raise ValueError(f"converted checkpoint {path}: tensor {name!r} fails its checksum (crc32 "
+                                         f"{sums[name]:#010x}, manifest {entries[name]['crc32']:#010x}); the file "
+                                         f"is corrupt or was modified — re-run scripts/convert.py")
+            for name in names:
+                p, want = params[name]
+                a = arrays.pop(name)
+                if a.dtype != want.dtype:
+                    a = a.astype(want.dtype)
+                _variable(model, p).set_value(put(p, a))
+    return model, cfg

@@ -1,0 +1,251 @@
+"""The `triton` backend: portable paged MLA decode (Pallas Triton lowering, sm80+; CPU with interpret=True).
+
+Shape of the work (DESIGN §6): query rows are (token, head) pairs, row r = i * H + h, packed into blocks of
+block_r rows (padded inside this module). Grid = (row blocks, splits, batch); program (r, s, b) walks chunk s of
+sequence b's pages (block_n tokens at a time, page looked up in the block table in-kernel) with an online softmax,
+and writes a partial (o, lse) in f32. A second step (XLA) combines the splits. The grid's first axis varies
+fastest at launch, so the row blocks sharing one stretch of cache run side by side and share it through L2.
+
+Per chunk, for each 128-wide latent tile t (and the 64-wide RoPE part):
+  s   += (q_t . k_t^T) * scale[token, t]          fp8: k_t is e4m3 decoded to bf16 with integer ops, /256
+  o_t  = o_t * alpha + (p * scale[token, t]) . k_t   the per-token tile scale is applied to p, not to k
+so the only per-element dequantization work is the bit decode; scales touch [rows x tokens] values.
+
+fp8 decode without fp8 hardware (sm80 has no e4m3 conversion in Triton): the int8 pattern s|eeee|mmm,
+sign-extended to int16 and shifted left 7 then masked with 0xBF80, is the float16 s|0eeee|mmm0000000, which is
+the e4m3 value times 2^-8 exactly, subnormals included (both formats put the subnormal step at 2^-(bias-1)
+times the mantissa). The 2^8 goes into the per-tile scale. f16 -> bf16 is exact for these values.
+
+Slots past a sequence's length are loaded masked (never read, 0 instead) and their scores selected to -inf, so
+NaN in unused slots or pages cannot reach a sum; pages past the length are never visited.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+  # The Triton lowering is deprecated in favour of Mosaic GPU but is the portable (sm80) path; jax is pinned.
+  warnings.simplefilter("ignore", DeprecationWarning)
+  from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_N_TILES = LATENT_DIM // FP8_TILE          # 4 tiles of 128 latent columns
+_F16_FROM_E4M3 = 256.0                     # decoded f16 = e4m3 value / 2^8
+
+
+def _e4m3_bits_to_bf16(bits: jax.Array) -> jax.Array:
+  """int8 bit patterns of float8_e4m3fn -> bfloat16 holding value / 256 (exact; integer ops only)."""
+  w = bits.astype(jnp.int16)                         # sign-extend: s fills bits 15..7
+  w = (w << 7) & jnp.int16(-16512)                  # 0xBF80: s -> bit 15, clear bit 14, eeeemmm -> bits 13..7
+  return lax.bitcast_convert_type(w, jnp.float16).astype(jnp.bfloat16)
+
+
+def _dot_nt(a, b):
+  """a [m, k] . b[n, k]^T in f32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_ref, rope_ref, *rest,
+                   fp8: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
+                   block_n: int, page_size: int, num_pages: int, max_pages: int, num_splits: int):
+  if fp8:
+    scale_ref, o_ref, lse_ref = rest
+  else:
+    scale_ref = None
+    o_ref, lse_ref = rest
+  row_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  chunks_per_page = page_size // block_n
+
+  length = seq_lens_ref[b]
+  # Never past the table, whatever the length says (the api turns such rows into NaN).
+  n_chunks = jnp.minimum(pl.cdiv(jnp.maximum(length, 0), block_n), max_pages * chunks_per_page)
+  per_split = pl.cdiv(n_chunks, num_splits)
+  start = split * per_split
+  end = jnp.minimum(start + per_split, n_chunks)
+
+  rows = row_block * block_r + lax.broadcasted_iota(jnp.int32, (block_r,), 0)
+  if causal and q_len > 1:
+    limit = length - q_len + 1 + rows // num_heads      # row (i, h) sees keys < L - Sq + i + 1
+  else:
+    limit = jnp.full((block_r,), length, jnp.int32)
+
+  q_tiles = [q_lat_ref[:, pl.ds(t * FP8_TILE, FP8_TILE)] for t in range(_N_TILES)]   # bf16 [block_r, 128]
+  q_rope = q_rope_ref[...]                                                            # bf16 [block_r, 64]
+
+  def body(c, carry):
+    m_prev, l_prev, accs = carry
+    page = block_table_ref[b, c // chunks_per_page]
+    page = jnp.clip(page, 0, num_pages - 1)            # a bad entry must not fault; the api NaNs the row
+    off = (c % chunks_per_page) * block_n
+    tok = c * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    in_seq = tok < length
+    slots = pl.ds(off, block_n)
+
+    k_rope = pltriton.load(rope_ref.at[page, slots, :], mask=in_seq[:, None], other=0)
+    s = _dot_nt(q_rope, k_rope)                                                   # [block_r, block_n]
+    ks, tile_scales = [], []
+    for t in range(_N_TILES):
+      k = pltriton.load(latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)], mask=in_seq[:, None],
+                        other=0)
+      if fp8:
+        k = _e4m3_bits_to_bf16(k)
+        sc = pltriton.load(scale_ref.at[page, slots, jnp.int32(t)], mask=in_seq, other=0.0) * _F16_FROM_E4M3
+        s = s + _dot_nt(q_tiles[t], k) * sc[None, :]
+        tile_scales.append(sc)
+      else:
+        s = s + _dot_nt(q_tiles[t], k)
+      ks.append(k)
+
+    visible = tok[None, :] < limit[:, None]
+    s = jnp.where(visible, s * scale_log2, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # a row that has seen nothing yet stays at 0 weight
+    alpha = jnp.exp2(m_prev - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    new_accs = []
+    for t in range(_N_TILES):
+      pt = p * tile_scales[t][None, :] if fp8 else p
+      new_accs.append(accs[t] * alpha[:, None] + _dot_nn(pt.astype(jnp.bfloat16), ks[t]))
+    return m_new, l_new, tuple(new_accs)
+
+  m0 = jnp.full((block_r,), -jnp.inf, jnp.float32)
+  l0 = jnp.zeros((block_r,), jnp.float32)
+  acc0 = tuple(jnp.zeros((block_r, FP8_TILE), jnp.float32) for _ in range(_N_TILES))
+  m, l, accs = lax.fori_loop(start, end, body, (m0, l0, acc0))
+
+  seen = l > 0
+  inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+  for t in range(_N_TILES):
+    o_ref[:, pl.ds(t * FP8_TILE, FP8_TILE)] = accs[t] * inv_l[:, None]
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _sm_count(interpret: bool) -> int:
+  if interpret:
+    return 8     # interpret mode: a small pretend GPU, so tests exercise several splits
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or 108)
+
+
+def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, interpret: bool) -> dict:
+  """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages."""
+  block_r = 16 if rows <= 16 else 32
+  block_n = min(64, page_size)
+  row_blocks = pl.cdiv(rows, block_r)
+  max_chunks = max_pages * (page_size // block_n)
+  # Split each sequence's pages so that about two programs per SM are in flight, but keep >= 4 chunks a split.
+  want = pl.cdiv(2 * _sm_count(interpret), batch * row_blocks)
+  num_splits = max(1, min(want, pl.cdiv(max_chunks, 4)))
+  return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
+
+
+def check_supported(q: jax.Array, cache: MLAKVCache) -> None:
+  """ValueError if this kernel cannot serve the (already validated) inputs."""
+  if cache.dtype not in ("bfloat16", "fp8_e4m3"):
+    raise ValueError(f"the triton backend supports bfloat16 and fp8_e4m3 caches, not {cache.dtype}; "
+                     "use backend='xla' for a float32 cache")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"the triton backend needs bfloat16 q, got {q.dtype}")
+  ps = cache.page_size
+  if ps < 16 or ps & (ps - 1):
+    raise ValueError(f"the triton backend needs a power-of-two page_size >= 16, got {ps}")
+  nbytes = cache.latent.size * cache.latent.dtype.itemsize
+  if cache.dtype == "fp8_e4m3" and 2**31 <= nbytes <= 2**32:
+    # Pallas Triton switches to 64-bit offsets only above 4 GiB; 1-byte elements between 2 and 4 GiB would
+    # overflow its signed 32-bit offsets.
+    raise ValueError(f"the triton backend cannot address an fp8 latent pool of {nbytes} bytes (2-4 GiB: 32-bit "
+                     "offsets overflow); allocate fewer than 65536 or more than 131072 pages of 64 tokens")
+
+
+def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
+               softmax_scale: float, causal: bool, interpret: bool = False, **config) -> tuple[jax.Array, jax.Array]:
+  """Backend entry (see api.py for the convention). config overrides default_config's keys (tests, tuning)."""
+  check_supported(q, cache)
+  b, sq, h, _ = q.shape
+  rows = sq * h
+  max_pages = block_table.shape[1]
+  cfg = default_config(b, rows, max_pages, cache.page_size, interpret=interpret)
+  unknown = set(config) - set(cfg)
+  if unknown:
+    raise ValueError(f"unknown triton config keys {sorted(unknown)}; known: {sorted(cfg)}")
+  cfg.update(config)
+  block_r, block_n, num_splits = cfg["block_r"], cfg["block_n"], cfg["num_splits"]
+  if block_r < 16 or block_r & (block_r - 1):
+    raise ValueError(f"block_r must be a power of two >= 16, got {block_r}")
+  if block_n < 16 or block_n & (block_n - 1) or cache.page_size % block_n:
+    raise ValueError(f"block_n must be a power of two >= 16 dividing page_size {cache.page_size}, got {block_n}")
+  if num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+  padded = pl.cdiv(rows, block_r) * block_r
+  q_rows = q.reshape(b, rows, LATENT_DIM + ROPE_DIM)
+  if padded != rows:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, padded - rows), (0, 0)))
+  q_lat, q_rope = q_rows[..., :LATENT_DIM], q_rows[..., LATENT_DIM:]
+
+  fp8 = cache.dtype == "fp8_e4m3"
+  latent = lax.bitcast_convert_type(cache.latent, jnp.int8) if fp8 else cache.latent
+  operands = [block_table, seq_lens, q_lat, q_rope, latent, cache.rope] + ([cache.scale] if fp8 else [])
+
+  def whole(x):
+    return pl.BlockSpec(x.shape, lambda r, s, bb, _n=x.ndim: (0,) * _n)
+
+  in_specs = [
+      whole(block_table), whole(seq_lens),
+      pl.BlockSpec((None, block_r, LATENT_DIM), lambda r, s, bb: (bb, r, 0)),
+      pl.BlockSpec((None, block_r, ROPE_DIM), lambda r, s, bb: (bb, r, 0)),
+      whole(latent), whole(cache.rope)] + ([whole(cache.scale)] if fp8 else [])
+  out_specs = [pl.BlockSpec((None, None, block_r, LATENT_DIM), lambda r, s, bb: (bb, s, r, 0)),
+               pl.BlockSpec((None, None, block_r), lambda r, s, bb: (bb, s, r))]
+  out_shape = [jax.ShapeDtypeStruct((b, num_splits, padded, LATENT_DIM), jnp.float32),
+               jax.ShapeDtypeStruct((b, num_splits, padded), jnp.float32)]
+  kernel = functools.partial(
+      _decode_kernel, fp8=fp8, num_heads=h, q_len=sq, causal=bool(causal),
+      scale_log2=float(softmax_scale) * _LOG2E, block_r=block_r, block_n=block_n, page_size=cache.page_size,
+      num_pages=cache.num_pages, max_pages=max_pages, num_splits=num_splits)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    o_part, lse_part = pl.pallas_call(
+        kernel, grid=(padded // block_r, num_splits, b), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        name=f"mla_decode_{cache.dtype}",
+    )(*operands)
+
+  out, lse = combine_splits(o_part, lse_part)               # [B, padded, 512], [B, padded]
+  out = out[:, :rows].reshape(b, sq, h, LATENT_DIM).astype(q.dtype)
+  lse = lse[:, :rows].reshape(b, sq, h).transpose(0, 2, 1)
+  return out, lse
+
+
+def combine_splits(o_part: jax.Array, lse_part: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Merges split-KV partials: o [B, S, R, D] (each normalized), lse [B, S, R] (-inf = empty) ->
+  o [B, R, D], lse [B, R] (+inf where every split was empty)."""
+  lse_max = jnp.max(lse_part, axis=1)                                   # [B, R]
+  any_seen = lse_max > -jnp.inf
+  ref = jnp.where(any_seen, lse_max, 0.0)
+  w = jnp.exp(lse_part - ref[:, None])                                  # empty split -> 0
+  total = jnp.sum(w, axis=1)
+  o = jnp.sum(w[..., None] * o_part, axis=1)
+  o = jnp.where(any_seen[..., None], o / jnp.where(any_seen, total, 1.0)[..., None], 0.0)
+  lse = jnp.where(any_seen, ref + jnp.log(jnp.where(any_seen, total, 1.0)), jnp.inf)
+  return o, lse

@@ -342,8 +342,7 @@ class ShardingPlan:
     def mla_decode(self, q: jax.Array, cache, block_table: jax.Array, seq_lens: jax.Array, **kwargs):
         """pallas_kernels.mla_decode on each device's part: TP — all sequences, H/N heads (q [B, Sq, H, 576]
         split on H, the replicated cache); DP attention — B/N sequences with all heads, the device's own cache
-        pages (block-table entries are global page ids; each device maps them to its local pages, and entries
-        of pages it does not own — only ever padding — to its local page 0)."""
+        pages (block-table entries are global page ids; each device maps them to its local pages)."""
         import pallas_kernels
         if self.num_devices == 1:
             return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
@@ -353,7 +352,9 @@ class ShardingPlan:
             def body(q, cache, block_table, seq_lens):
                 first = jax.lax.axis_index(AXIS) * pages_local
                 local = block_table - first
-                local = jnp.where((local >= 0) & (local < pages_local), local, 0)
+                # Only padding entries (past a sequence's length) may name another device's page; -1 keeps a bad
+                # live entry loud (mla_decode returns NaN for a used page outside the pool).
+                local = jnp.where((local >= 0) & (local < pages_local), local, -1)
                 return pallas_kernels.mla_decode(q, cache, local, seq_lens, **kwargs)
 
             rows = P(AXIS)

@@ -1,0 +1,255 @@
+"""Multi-device tests of mla_jax.sharding on 8 simulated CPU devices.
+
+Not collected by the main pytest run (the name does not start with test_): XLA_FLAGS must be set before jax
+creates its CPU client, so tests/test_sharding.py runs this file in a fresh process. Run it directly with
+    python -m pytest -q tests/sharding_8dev_cases.py
+"""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+from mla_jax import sharding  # noqa: E402
+from mla_jax.config import AWQConfig, ModelConfig  # noqa: E402
+from mla_jax.sharding import AXIS, ShardingPlan  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "fixtures", "v3_yarn")
+
+
+def setup_module():
+    if jax.device_count() < 8:
+        pytest.fail(f"needs 8 CPU devices, got {jax.device_count()}: XLA_FLAGS was set too late (another import "
+                    "initialized jax first); run this file on its own")
+
+
+def tiny_cfg(**over):
+    d = dict(model_type="deepseek_v3", vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+             num_hidden_layers=2, num_attention_heads=8, q_lora_rank=24, kv_lora_rank=512, qk_nope_head_dim=16,
+             qk_rope_head_dim=64, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
+             topk_method="noaux_tc", first_k_dense_replace=1, moe_layer_freq=1, rms_norm_eps=1e-6,
+             rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0,
+             eos_token_id=1)
+    d.update(over)
+    return ModelConfig.from_hf_dict(d)
+
+
+def plan(n, dp=False, cfg=None):
+    return ShardingPlan.create(cfg or tiny_cfg(), n, dp)
+
+
+def spec_of(x):
+    return tuple(x.sharding.spec) if hasattr(x.sharding, "spec") else None
+
+
+def shard_shapes(x):
+    return {tuple(s.data.shape) for s in x.addressable_shards}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mla_decode island
+# ---------------------------------------------------------------------------------------------------------------
+
+def random_cache(key, num_pages, page_size, dtype, poison_free=()):
+    """A cache with random contents; pages in poison_free hold NaN (they must never be read)."""
+    k1, k2 = jax.random.split(key)
+    T = num_pages * page_size
+    cache = pallas_kernels.MLAKVCache.allocate(num_pages, page_size=page_size, dtype=dtype)
+    lat = jax.random.normal(k1, (T, 512), jnp.float32)
+    rope = jax.random.normal(k2, (T, 64), jnp.float32)
+    cache = cache.write(jnp.arange(T, dtype=jnp.int32), lat, rope)
+    if poison_free:
+        idx = jnp.asarray(poison_free)
+        cache = type(cache)(latent=cache.latent.at[idx].set(jnp.nan), rope=cache.rope.at[idx].set(jnp.nan),
+                            scale=cache.scale, page_size=cache.page_size)
+    return cache
+
+
+def dp_block_table(rng, n_dev, rows_per_dev, pages_per_dev, max_pages, page_size):
+    """Each row takes random pages of its own device's range (global ids) and a random length; padding entries
+    point at global page 0 (owned by device 0). Returns block_table, seq_lens, used pages."""
+    B = n_dev * rows_per_dev
+    bt = np.zeros((B, max_pages), np.int32)
+    lens = np.zeros(B, np.int32)
+    used = set()
+    for d in range(n_dev):
+        free = list(range(d * pages_per_dev + 1, (d + 1) * pages_per_dev))   # local page 0 stays scratch
+        rng.shuffle(free)
+        for r in range(rows_per_dev):
+            b = d * rows_per_dev + r
+            L = int(rng.integers(0, max_pages * page_size + 1)) if r else 0 if d == 1 else max_pages * page_size
+            n = -(-L // page_size)
+            pages = [free.pop() for _ in range(n)]
+            bt[b, :n] = pages
+            used.update(pages)
+            lens[b] = L
+    return bt, lens, used
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "fp8_e4m3"])
+def test_mla_decode_dp_attention_island_matches_one_device(cache_dtype):
+    n, rows, ppd, ps, maxp, H = 8, 2, 7, 16, 3, 4
+    rng = np.random.default_rng(0)
+    bt, lens, used = dp_block_table(rng, n, rows, ppd, maxp, ps)
+    free = [p for p in range(n * ppd) if p not in used and p % ppd]          # keep the scratch pages finite
+    cache = random_cache(jax.random.key(1), n * ppd, ps, cache_dtype, poison_free=free)
+    qdt = jnp.float32 if cache_dtype == "float32" else jnp.bfloat16
+    q = jax.random.normal(jax.random.key(2), (n * rows, 1, H, 576), jnp.float32).astype(qdt)
+    kw = dict(softmax_scale=0.1, causal=False, backend="xla")
+    want_o, want_lse = pallas_kernels.mla_decode(q, cache, jnp.asarray(bt), jnp.asarray(lens), **kw)
+
+    pl = plan(n, dp=True)
+    cache_s = jax.device_put(cache, pl.cache_shardings(cache))
+    assert shard_shapes(cache_s.latent) == {(ppd, ps, 512)}          # each device holds 1/8 of the pages
+    rows_s = pl.sharding(P(AXIS))
+    fn = jax.jit(lambda q, c, bt, sl: pl.mla_decode(q, c, bt, sl, **kw))
+    o, lse = fn(jax.device_put(q, rows_s), cache_s, jax.device_put(bt, rows_s), jax.device_put(lens, rows_s))
+    assert spec_of(o)[0] == AXIS and spec_of(lse)[0] == AXIS
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want_o, np.float32), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+    assert np.isinf(np.asarray(lse)[lens == 0]).all()                 # the length-0 row
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_mla_decode_tp_island_matches_one_device(n):
+    B, ps, num_pages, maxp, H = 3, 16, 10, 3, 8
+    rng = np.random.default_rng(n)
+    perm = rng.permutation(np.arange(1, num_pages))[: B * maxp].reshape(B, maxp).astype(np.int32)
+    lens = np.array([5, 0, maxp * ps], np.int32)
+    free = [int(p) for p in perm[0, 1:]] + [int(p) for p in perm[1]]      # beyond each row's length: poison
+    cache = random_cache(jax.random.key(3), num_pages, ps, "float32", poison_free=free)
+    q = jax.random.normal(jax.random.key(4), (B, 1, H, 576), jnp.float32)
+    kw = dict(softmax_scale=0.1, causal=False, backend="xla")
+    want_o, want_lse = pallas_kernels.mla_decode(q, cache, jnp.asarray(perm), jnp.asarray(lens), **kw)
+
+    pl = plan(n)
+    cache_s = jax.device_put(cache, pl.cache_shardings(cache))
+    assert cache_s.latent.sharding.is_fully_replicated
+    o, lse = jax.jit(lambda q, c, bt, sl: pl.mla_decode(q, c, bt, sl, **kw))(
+        jax.device_put(q, pl.sharding(P(None, None, AXIS))), cache_s, perm, lens)
+    assert spec_of(o)[2] == AXIS and spec_of(lse)[1] == AXIS        # heads split
+    # fp32 on both sides; XLA's CPU dot blocks differently for H/n heads, hence not bitwise
+    np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+
+
+def test_mla_decode_dp_island_is_loud_when_a_live_page_belongs_to_another_device():
+    n, ps = 8, 16
+    cache = random_cache(jax.random.key(5), n * 2, ps, "float32")
+    pl = plan(n, dp=True)
+    bt = np.zeros((n, 1), np.int32)
+    bt[:, 0] = [2 * d + 1 for d in range(n)]
+    bt[3, 0] = 1                                   # row 3 lives on device 3 but names device 0's page
+    lens = np.full(n, 4, np.int32)
+    q = jnp.ones((n, 1, 2, 576), jnp.float32)
+    o, lse = jax.jit(lambda q, c, bt, sl: pl.mla_decode(q, c, bt, sl, softmax_scale=0.1, backend="xla"))(
+        q, jax.device_put(cache, pl.cache_shardings(cache)), bt, lens)
+    lse = np.asarray(lse)
+    assert np.isnan(lse[3]).all() and np.isfinite(np.delete(lse, 3, axis=0)).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cache write / read with data-parallel attention
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_dp_cache_write_and_read_match_one_device(cache_dtype):
+    n, ppd, ps = 8, 3, 4
+    num_pages = n * ppd
+    rng = np.random.default_rng(7)
+    T = 20
+    slots = rng.choice(num_pages * ps, size=T, replace=False).astype(np.int32)
+    slots[:3] = -1                                                     # padding tokens write nothing
+    lat = jax.random.normal(jax.random.key(8), (T, 512), jnp.float32)
+    rope = jax.random.normal(jax.random.key(9), (T, 64), jnp.float32)
+    base = random_cache(jax.random.key(10), num_pages, ps, cache_dtype)
+    want = base.write(jnp.asarray(slots), lat, rope)
+
+    pl = plan(n, dp=True)
+    got = jax.jit(lambda c, s, l, r: pl.write_cache(c, s, l, r))(
+        jax.device_put(base, pl.cache_shardings(base)), slots, lat, rope)
+    for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert shard_shapes(leaf) == {(ppd, ps, ref.shape[-1])}
+        assert spec_of(leaf)[0] == AXIS
+        np.testing.assert_array_equal(np.asarray(leaf.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+    bt = rng.permutation(num_pages)[:10].reshape(5, 2).astype(np.int32)
+    lat_all, rope_all = want.dequantize()                               # reference: index the whole pool
+    want_l = lat_all[bt].reshape(5, 2 * ps, 512)
+    want_r = rope_all[bt].reshape(5, 2 * ps, 64)
+    got_l, got_r = jax.jit(lambda c, bt: pl.read_pages(c, bt))(got, bt)
+    np.testing.assert_array_equal(np.asarray(got_l), np.asarray(want_l))
+    np.testing.assert_array_equal(np.asarray(got_r), np.asarray(want_r))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# expert parallel
+# ---------------------------------------------------------------------------------------------------------------
+
+def experts_module(kind, E=8, D=32, I=16):
+    if kind == "dense":
+        from mla_jax.model.moe import Experts
+        return Experts(E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    from mla_jax.quant.awq import AWQExperts
+    return AWQExperts(AWQConfig(bits=4, group_size=16), E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kind", ["dense", "awq"])
+@pytest.mark.parametrize("n,scatter_rows", [(2, False), (4, False), (8, True)])
+def test_expert_parallel_matches_one_device(kind, n, scatter_rows):
+    T, K, E = 16, 3, 8
+    mod = experts_module(kind, E)
+    x = jax.random.normal(jax.random.key(11), (T, 32), jnp.float32)
+    idx = jax.random.randint(jax.random.key(12), (T, K), 0, E).astype(jnp.int32)
+    idx = idx.at[:, 1].set((idx[:, 0] + 1) % E).at[:, 2].set((idx[:, 0] + 2) % E)   # distinct experts per token
+    w = jax.random.uniform(jax.random.key(13), (T, K), jnp.float32)
+    want = mod(x, idx, w)
+
+    pl = plan(n, dp=scatter_rows)
+    graphdef, state = nnx.split(mod)
+    state = jax.device_put(state, jax.tree.map(lambda a: pl.sharding(P(AXIS)), state))   # the EXPERTS rule
+    for leaf in jax.tree.leaves(state):
+        assert shard_shapes(leaf) == {(E // n, *leaf.shape[1:])}
+
+    def f(state, x, idx, w):
+        return pl.experts(nnx.merge(graphdef, state), x, idx, w, scatter_rows=scatter_rows)
+
+    got = jax.jit(f)(state, x, idx, w)
+    if scatter_rows:
+        assert spec_of(got)[0] == AXIS and shard_shapes(got) == {(T // n, 32)}
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sharded loading
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,dp", [(4, False), (8, True)])
+def test_load_sharded_places_every_parameter_by_the_rules_and_matches_load_model(n, dp):
+    import mla_jax
+    ref, cfg = mla_jax.load_model(FIXTURE, dtype="float32")
+    pl = ShardingPlan.create(cfg, n, dp)
+    model, cfg2 = sharding.load_sharded(FIXTURE, pl, dtype="float32")
+    assert cfg2 == cfg
+    ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
+    got_flat = dict(nnx.to_flat_state(nnx.state(model)))
+    assert ref_flat.keys() == got_flat.keys()
+    split = 0
+    for path, v in got_flat.items():
+        arr = v.get_value()
+        want_spec = pl.param_spec(sharding.path_str(path), arr.shape)
+        assert arr.sharding.spec == want_spec, path
+        assert shard_shapes(arr) == {tuple(arr.sharding.shard_shape(arr.shape))}
+        split += want_spec != P()
+        np.testing.assert_array_equal(np.asarray(arr), np.asarray(ref_flat[path].get_value()), err_msg=str(path))
+    assert split > 10

@@ -543,7 +543,7 @@ def _hf_index(our_index: tuple, our_shape: tuple, hf_shape: tuple, transpose: bo
 
 
 def load_sharded(path, plan: ShardingPlan, dtype="float32"):
-    """(model, cfg) from an HF checkpoint directory with every parameter placed by the plan's rules as it is
+    """(model, cfg) from an HF checkpoint directory (or a converted one: `load_converted_sharded`) with every parameter placed by the plan's rules as it is
     read: each device's slice is read from the safetensors file directly (jax.make_array_from_callback over
     safetensors slices), so no process holds a full copy of a sharded weight, and with several processes each
     reads only what its own devices hold. Same checks as mla_jax.load_model (names, shapes, dtypes)."""
@@ -557,9 +557,13 @@ def load_sharded(path, plan: ShardingPlan, dtype="float32"):
     from mla_jax.config import ModelConfig
     from mla_jax.model.transformer import DeepseekV3
 
+    from mla_jax.checkpoint import converted
+
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
+    if converted.is_converted(path):
+        return load_converted_sharded(path, plan, dtype)
     cfg = ModelConfig.from_pretrained(path)
     check_config(cfg, plan.num_devices, plan.data_parallel_attention)
     jdtype = hf._resolve_dtype(dtype)
@@ -631,4 +635,60 @@ def load_sharded(path, plan: ShardingPlan, dtype="float32"):
     for p, v in nnx.to_flat_state(nnx.state(model)):
         if isinstance(v.get_value(), jax.ShapeDtypeStruct):
             raise ValueError(f"parameter {p} was not filled by any checkpoint tensor (hf_param_map is incomplete)")
+    return model, cfg
+
+
+def load_converted_sharded(path, plan: ShardingPlan, dtype="float32"):
+    """(model, cfg) from a directory written by scripts/convert.py (mla_jax.checkpoint.converted), restored by
+    orbax straight into the plan's shardings: tensorstore reads each device's slice, so no process holds a full
+    copy of a sharded weight. Names, shapes and dtypes are checked against the manifest and the model as in
+    `load_converted`; the per-tensor crc32 (of whole arrays) is not, since no process sees a whole sharded array
+    — verify a copied checkpoint once with mla_jax.checkpoint.converted.load_converted(verify_checksums=True)."""
+    import json
+    import os
+
+    import orbax.checkpoint as ocp
+
+    from mla_jax.checkpoint import converted
+    from mla_jax.checkpoint.hf import _resolve_dtype
+    from mla_jax.config import ModelConfig
+
+    path = os.fspath(path)
+    with open(os.path.join(path, converted.MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != converted.FORMAT or manifest.get("version") != converted.VERSION:
+        raise ValueError(f"{path}/{converted.MANIFEST}: format {manifest.get('format')!r} version "
+                         f"{manifest.get('version')!r} is not {converted.FORMAT!r} version {converted.VERSION}; "
+                         "re-run scripts/convert.py")
+    cfg = ModelConfig.from_pretrained(path)
+    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
+    jdtype = _resolve_dtype(dtype)
+    model, params = converted._abstract_params(cfg, jdtype)
+    converted._check_against_manifest(manifest, params, np.dtype(jdtype), path)
+    entries = manifest["tensors"]
+    by_group: dict[str, list[str]] = {}
+    for name in params:
+        by_group.setdefault(entries[name]["group"], []).append(name)
+    ckpt = ocp.PyTreeCheckpointer()
+    for group, names in by_group.items():
+        gdir = os.path.join(path, converted.WEIGHTS, group)
+        if not os.path.isdir(gdir):
+            raise ValueError(f"converted checkpoint {path}: weights/{group} is missing (holds tensor "
+                             f"{names[0]!r}); re-run scripts/convert.py")
+        args = {}
+        for name in names:
+            p, want = params[name]
+            args[name] = ocp.ArrayRestoreArgs(
+                sharding=plan.sharding(plan.param_spec(path_str(p), want.shape)), global_shape=tuple(want.shape),
+                dtype=want.dtype)
+        arrays = ckpt.restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
+        for name in names:
+            p, want = params[name]
+            a = arrays.pop(name)
+            if tuple(a.shape) != tuple(want.shape) or a.dtype != want.dtype:
+                raise ValueError(f"converted checkpoint {path}: tensor {name!r} restored as {a.dtype}"
+                                 f"{tuple(a.shape)}, the model holds {want.dtype}{tuple(want.shape)}")
+            converted._variable(model, p).set_value(a)
+    logger.info("restored %s sharded over %d devices (crc32 not verified in the sharded path)", path,
+                plan.num_devices)
     return model, cfg

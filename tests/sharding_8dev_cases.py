@@ -253,3 +253,40 @@ def test_load_sharded_places_every_parameter_by_the_rules_and_matches_load_model
         split += want_spec != P()
         np.testing.assert_array_equal(np.asarray(arr), np.asarray(ref_flat[path].get_value()), err_msg=str(path))
     assert split > 10
+
+
+SHARDING_FIXTURE = os.path.join(HERE, "fixtures", "sharding_dims")
+
+
+@pytest.fixture(scope="module")
+def awq_fixture(tmp_path_factory):
+    """sharding_dims quantized to AWQ (group 16) by our packer, and its converted (orbax) directory."""
+    from mla_jax.checkpoint.converted import convert_checkpoint
+    from mla_jax.quant import pack
+    root = tmp_path_factory.mktemp("awq")
+    awq_dir = str(root / "awq")
+    pack.quantize_checkpoint(SHARDING_FIXTURE, awq_dir, group_size=16)
+    conv_dir = str(root / "converted")
+    convert_checkpoint(awq_dir, conv_dir, progress=False)
+    return awq_dir, conv_dir
+
+
+@pytest.mark.parametrize("which", ["awq_safetensors", "converted_orbax"])
+def test_awq_checkpoints_load_sharded_tp4(awq_fixture, which):
+    import mla_jax
+    path = awq_fixture[0] if which == "awq_safetensors" else awq_fixture[1]
+    ref, cfg = mla_jax.load_model(path, dtype="float32")
+    pl = ShardingPlan.create(cfg, 4, False)
+    model, _ = sharding.load_sharded(path, pl, dtype="float32")
+    ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
+    n_int4 = 0
+    for path_, v in nnx.to_flat_state(nnx.state(model)):
+        arr = v.get_value()
+        assert arr.sharding.spec == pl.param_spec(sharding.path_str(path_), arr.shape), path_
+        want = ref_flat[path_].get_value()
+        assert arr.dtype == want.dtype, path_
+        n_int4 += arr.dtype == jnp.int4
+        np.testing.assert_array_equal(np.asarray(arr.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert n_int4 > 10
+    q_b = model.layers[0].self_attn.q_b_proj.qweight[...]
+    assert shard_shapes(q_b) == {(32, 8 * 80 // 4)}                   # 2 of the 8 heads per device

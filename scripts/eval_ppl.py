@@ -1,0 +1,246 @@
+"""Held-out perplexity of the embedded model through the engine's step functions, in one table.
+
+    python scripts/eval_ppl.py --model checkpoints/tiny-deepseek-py --bf16-model tmp/tiny-bf16 \
+        --backends xla,triton,mosaic_sm90 --kv-cache-dtypes bfloat16,fp8_e4m3
+
+Data: the held-out files recorded in the model's training.json (split by file, never trained on), read from this
+interpreter's standard library (files whose sha256 changed are left out and counted), tokenized as in training
+(<|bos|> file <|eos|>, concatenated) and cut into --num-seqs windows of --seq-len + 1 tokens.
+
+Paths scored, each by teacher forcing (the true next token is fed, its log-probability is read):
+  forward   model(ids): full causal forward, no cache (the reference for the weights)
+  decode    prefill_step on the first token, then decode_step for every later position: absorbed MLA through
+            pallas_kernels.mla_decode on the paged cache (bf16 or fp8_e4m3), with the chosen backend
+  prefill   chunked prefill_step (--chunk tokens a step, all_logits): each chunk attends to its prefix read back
+            from the paged cache (dequantized), so the cache dtype shows here too; pure XLA (no backend choice)
+Rows: weights (bf16 checkpoint, AWQ checkpoint) x kv cache dtype x backend. A backend that cannot run on this
+device is listed with the reason (never replaced by another). Writes JSON (device, jax version, commit, date).
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mla_jax  # noqa: E402
+from mla_jax.engine.steps import allocate_caches, decode_step, prefill_step, split_model  # noqa: E402
+from mla_jax.engine.text import Tokenizer  # noqa: E402
+from mla_jax.train import eval_windows, load_heldout_files, token_nll, token_stream  # noqa: E402
+
+
+def heldout_windows(model_dir: str, seq_len: int, num_seqs: int, corpus_root=None):
+    tok = Tokenizer.from_dir(model_dir)
+    if tok is None:
+        raise ValueError(f"{model_dir} has no tokenizer.json")
+    files, stats = load_heldout_files(model_dir, corpus_root)
+    stream = token_stream(tok.backend, files)
+    return eval_windows(stream, seq_len, num_seqs), stats
+
+
+def _slots(block_table: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
+    """Cache slot of position pos[n, ...] of sequence n."""
+    page = np.take_along_axis(block_table, (pos // page_size).reshape(len(block_table), -1), axis=1)
+    return (page.reshape(pos.shape) * page_size + pos % page_size).astype(np.int32)
+
+
+def _layout(n: int, s: int, page_size: int):
+    pages = -(-s // page_size)
+    block_table = (1 + np.arange(n * pages, dtype=np.int32)).reshape(n, pages)  # page 0: unused scratch
+    return block_table, n * pages + 1
+
+
+def score_forward(model, windows: np.ndarray, batch: int) -> np.ndarray:
+    """Per-token NLL [N, S] of model(ids)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll(state, w):
+        return token_nll(nnx.merge(graphdef, state)(w[:, :-1]), w[:, 1:])
+
+    return np.concatenate([np.asarray(nll(state, jnp.asarray(windows[i:i + batch])))
+                           for i in range(0, len(windows), batch)])
+
+
+def score_decode(model, windows: np.ndarray, cache_dtype: str, backend: str, interpret: bool,
+                 page_size: int = 64) -> np.ndarray:
+    """Per-token NLL [N, S]: token 0 by prefill_step, tokens 1..S-1 by one decode_step each."""
+    cfg = model.cfg
+    n, s = windows.shape[0], windows.shape[1] - 1
+    graphdef, weights = split_model(model)
+    block_table, num_pages = _layout(n, s, page_size)
+    caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=cache_dtype)
+    w = jnp.asarray(windows)
+
+    @jax.jit
+    def first(weights, caches, tokens, slots):
+        caches, logits = prefill_step(graphdef, weights, caches, tokens, jnp.zeros_like(tokens), slots,
+                                      jnp.zeros((n, 0), jnp.int32), jnp.zeros((n,), jnp.int32),
+                                      jnp.ones((n,), jnp.int32), all_logits=True)
+        return caches, logits[:, 0]
+
+    def step(weights, caches, tokens, positions, slots, block_table, targets):
+        caches, logits = decode_step(graphdef, weights, caches, tokens, positions, slots, block_table,
+                                     positions + 1, backend=backend, interpret=interpret)
+        return caches, token_nll(logits, targets)
+
+    step = jax.jit(step, donate_argnums=(1,))
+    caches, logits0 = first(weights, caches, w[:, :1], jnp.asarray(_slots(block_table, np.zeros((n, 1), int),
+                                                                           page_size)))
+    out = [token_nll(logits0, w[:, 1])]
+    bt = jnp.asarray(block_table)
+    for t in range(1, s):
+        pos = np.full((n,), t, np.int32)
+        caches, nll = step(weights, caches, w[:, t], jnp.asarray(pos),
+                           jnp.asarray(_slots(block_table, pos, page_size)), bt, w[:, t + 1])
+        out.append(nll)
+    return np.asarray(jnp.stack(out, axis=1))
+
+
+def score_prefill(model, windows: np.ndarray, cache_dtype: str, chunk: int, page_size: int = 64) -> np.ndarray:
+    """Per-token NLL [N, S] by chunked prefill: chunk c attends to positions < c·chunk read from the cache."""
+    cfg = model.cfg
+    n, s = windows.shape[0], windows.shape[1] - 1
+    if s % chunk:
+        raise ValueError(f"--seq-len {s} must be a multiple of --chunk {chunk}")
+    graphdef, weights = split_model(model)
+    block_table, num_pages = _layout(n, s, page_size)
+    caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=cache_dtype)
+
+    def step(weights, caches, tokens, positions, slots, block_table, prefix_lens, targets):
+        caches, logits = prefill_step(graphdef, weights, caches, tokens, positions, slots, block_table,
+                                      prefix_lens, jnp.full((n,), chunk, jnp.int32), all_logits=True)
+        return caches, token_nll(logits, targets)
+
+    step = jax.jit(step, donate_argnums=(1,))
+    out = []
+    for c0 in range(0, s, chunk):
+        pos = np.broadcast_to(c0 + np.arange(chunk, dtype=np.int32), (n, chunk))
+        caches, nll = step(weights, caches, jnp.asarray(windows[:, c0:c0 + chunk]), jnp.asarray(pos),
+                           jnp.asarray(_slots(block_table, pos, page_size)), jnp.asarray(block_table),
+                           jnp.full((n,), c0, jnp.int32), jnp.asarray(windows[:, c0 + 1:c0 + chunk + 1]))
+        out.append(nll)
+    return np.asarray(jnp.concatenate(out, axis=1))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="checkpoints/tiny-deepseek-py", help="AWQ checkpoint (with training.json)")
+    ap.add_argument("--bf16-model", help="the unquantized bf16 checkpoint the AWQ one was made from")
+    ap.add_argument("--kv-cache-dtypes", default="bfloat16,fp8_e4m3")
+    ap.add_argument("--backends", default="xla,triton,mosaic_sm90")
+    ap.add_argument("--paths", default="forward,prefill,decode")
+    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="batch of the forward path")
+    ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
+    ap.add_argument("--corpus-root", help="where the held-out files live (default: this Python's stdlib)")
+    ap.add_argument("--out", help="JSON output (default bench/results/eval_ppl_<platform>.json)")
+    args = ap.parse_args(argv)
+
+    windows, stats = heldout_windows(args.model, args.seq_len, args.num_seqs, args.corpus_root)
+    print(f"held-out: {stats['matched']}/{stats['listed']} files matched under {stats['root']} "
+          f"(changed {len(stats['changed'])}, missing {len(stats['missing'])}); {windows.shape[0]} windows x "
+          f"{windows.shape[1] - 1} scored tokens = {windows.shape[0] * (windows.shape[1] - 1):,} tokens", flush=True)
+    weights_list = ([("bf16", args.bf16_model)] if args.bf16_model else []) + [("awq" if _is_awq(args.model)
+                                                                               else "bf16", args.model)]
+    cache_dtypes = [c for c in args.kv_cache_dtypes.split(",") if c]
+    backends = [b for b in args.backends.split(",") if b]
+    paths = [p for p in args.paths.split(",") if p]
+    from mla_jax.engine.llm import resolve_backend
+
+    rows = []
+
+    def add(weights, cache, backend, path, nll=None, seconds=None, note=None):
+        row = {"weights": weights, "kv_cache_dtype": cache, "backend": backend, "path": path}
+        if nll is not None:
+            row.update(nll=float(nll.mean()), ppl=math.exp(float(nll.mean())), tokens=int(nll.size),
+                       seconds=round(seconds, 1))
+        if note:
+            row["note"] = note
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for wname, wpath in weights_list:
+        model, cfg = mla_jax.load_model(wpath, dtype="bfloat16")
+        if "forward" in paths:
+            t0 = time.time()
+            add(wname, "-", "-", "forward", score_forward(model, windows, args.batch), time.time() - t0)
+        for cache in cache_dtypes:
+            if "prefill" in paths:
+                t0 = time.time()
+                add(wname, cache, "xla", "prefill", score_prefill(model, windows, cache, args.chunk), time.time() - t0)
+            if "decode" not in paths:
+                continue
+            for backend in backends:
+                try:
+                    resolve_backend(backend, cache, args.interpret)
+                except ValueError as e:
+                    add(wname, cache, backend, "decode", note=f"not run: {e}")
+                    continue
+                t0 = time.time()
+                add(wname, cache, backend, "decode",
+                    score_decode(model, windows, cache, backend, args.interpret), time.time() - t0)
+
+    # Relative change against the bf16 cache of the same weights/backend/path.
+    base = {(r["weights"], r["backend"], r["path"]): r["ppl"] for r in rows
+            if r["kv_cache_dtype"] == "bfloat16" and "ppl" in r}
+    for r in rows:
+        b = base.get((r["weights"], r["backend"], r["path"]))
+        if b and "ppl" in r:
+            r["ppl_vs_bf16_cache_pct"] = 100.0 * (r["ppl"] / b - 1.0)
+
+    dev = jax.devices()[0]
+    result = {
+        "script": "scripts/eval_ppl.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"{dev.platform}:{dev.device_kind}", "jax": jax.__version__, "commit": _commit(),
+        "models": dict(weights_list), "num_seqs": int(windows.shape[0]), "seq_len": int(windows.shape[1] - 1),
+        "chunk": args.chunk, "interpret": args.interpret, "heldout": {k: v for k, v in stats.items()
+                                                                   if k in ("listed", "matched", "root")},
+        "rows": rows,
+    }
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results",
+                                   f"eval_ppl_{dev.platform}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+
+    print(f"\nheld-out perplexity, {result['num_seqs']} x {result['seq_len']} tokens, {result['device']}, "
+          f"jax {result['jax']}, commit {result['commit']}, {result['date']}")
+    print(f"{'weights':8} {'kv cache':10} {'backend':12} {'path':8} {'ppl':>9} {'vs bf16 cache':>14}")
+    for r in rows:
+        ppl = f"{r['ppl']:9.4f}" if "ppl" in r else f"{'-':>9}"
+        rel = f"{r['ppl_vs_bf16_cache_pct']:+13.3f}%" if "ppl_vs_bf16_cache_pct" in r else f"{'':>14}"
+        print(f"{r['weights']:8} {r['kv_cache_dtype']:10} {r['backend']:12} {r['path']:8} {ppl} {rel}"
+              + (f"  ({r['note']})" if "note" in r else ""))
+    print(f"wrote {out}")
+
+
+def _is_awq(path: str) -> bool:
+    with open(os.path.join(path, "config.json")) as f:
+        return bool(json.load(f).get("quantization_config"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""The `mosaic_sm90` backend: paged MLA decode for Hopper in Pallas Mosaic GPU (`plgpu.kernel`).
+
+Shape of the work (DESIGN §6, FlashMLA semantics). Query rows are the (token, head) pairs of one sequence,
+r = s * H + h, packed N rows per CTA (N <= 32, a multiple of 8; more rows -> G head groups of N). Every key page
+of 64 tokens is used in "swapped" orientation so that the 64 tokens fill the 64-row side of wgmma and the few
+query rows are its N side (a 16-head decode then wastes no MMA work on padding):
+
+    S^T [64 tok, N]  = K [64 tok, 576] . Q^T          (A = page tile in SMEM, K-major; B = Q, K-major)
+    O^T [512, N]    += V^T [512, 64 tok] . P^T        (A = the same page tile, transposed; B = P [N, 64] in SMEM)
+
+A CTA runs three warpgroups. Warpgroup 2 streams pages by TMA through the block table into a ring of
+`num_stages` slots. Warpgroups 0 and 1 each own one half (256) of the 512 latent dims: each computes S^T over its
+half (warpgroup 0 adds the 64 RoPE dims), they swap partial scores through SMEM, both run the same online softmax
+(log2 domain, masked by select), and each accumulates its half of O^T in registers. With an fp8 cache each compute
+warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-of-two tile scale: exact in f16)
+into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
+
+Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
+from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
+at entry p + b (unique: the (share, sequence) pairs form a staircase); `_combine` merges the partials of each
+sequence with plain XLA segment reductions. Pages and slots past a sequence's length never enter a sum: the
+table entries are never read, tail slots are zeroed by select before any product, scores past the length (or
+the causal limit) are masked to -inf by select.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
+
+PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
+HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
+CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
+SMEM_BUDGET = 225 * 1024      # of the H100/H200's 227 KiB per block; the rest is Mosaic's own scratch
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+
+
+def _scale_layout():
+  """Register layout for one page's fp8 scales [64 tok, 4]: each thread holds the 4 scales of the rows it owns
+  in the wgmma layout, so `.sum(axis=1)` of a one-hot select lands in WGMMA.reduce(1) (a per-row vector)."""
+  return plgpu.Layout.TILED(plgpu.Tiling(((64, 4), (16, 4), (8, 4))), warp_dims=(-6,),
+                            lane_dims=(-2, plgpu.Replicated(4)), vector_dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static launch configuration for one call shape."""
+  rows: int            # Sq * H query rows per sequence
+  n: int               # rows per CTA (wgmma N), multiple of 8, <= 32
+  groups: int          # head groups G: n * G >= rows
+  num_parts: int       # KV shares per head group (the split-KV width)
+  num_stages: int      # page ring depth
+  fp8: bool
+
+  @property
+  def smem_bytes(self) -> int:
+    return _smem_bytes(self.n, self.num_stages, self.fp8)
+
+
+def _smem_bytes(n: int, stages: int, fp8: bool) -> int:
+  q = n * (LATENT_DIM + ROPE_DIM) * 2
+  if fp8:
+    ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
+  else:
+    ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
+  exchange = 2 * PAGE * n * 4
+  p = 2 * n * PAGE * 2
+  return q + ring + exchange + p + 1024
+
+
+def _num_sms() -> int:
+  try:
+    dev = jax.devices()[0]
+    if dev.platform == "gpu":
+      return int(dev.core_count)
+  except Exception:  # noqa: BLE001 - no device info: fall back to a small split for interpret mode
+    pass
+  return 4
+
+
+def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
+              rows_per_cta: int | None = None) -> Plan:
+  """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4)."""
+  max_n = rows_per_cta or 32
+  if max_n % 8 or not 8 <= max_n <= 32:
+    raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
+  groups = -(-rows // max_n)
+  n = -(-(-(-rows // groups)) // 8) * 8
+  if num_parts is None:
+    num_parts = max(1, _num_sms() // groups)
+  if num_stages is None:
+    num_stages = max((s for s in range(1, 5) if _smem_bytes(n, s, fp8) <= SMEM_BUDGET), default=0)
+  if num_stages < 1 or _smem_bytes(n, num_stages, fp8) > SMEM_BUDGET:
+    raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need "
+                     f"{_smem_bytes(n, max(num_stages, 1), fp8)} bytes of SMEM, over {SMEM_BUDGET}")
+  return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8)
+
+
+# ---- device-side split-KV schedule -----------------------------------------------------------------------
+def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Array]:
+  """Cuts the batch's pages (in sequence order) into num_parts equal contiguous shares.
+
+  Returns cu int32 [B+1] (page prefix sums) and sched int32 [num_parts, 4] = (begin, end, b_first, b_last):
+  share p covers flat pages [begin, end) and sequences b_first..b_last (b_last < b_first when empty).
+  """
+  b = page_counts.shape[0]
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(page_counts, dtype=jnp.int32)])
+  total = cu[b]
+  payload = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  p = jnp.arange(num_parts, dtype=jnp.int32)
+  begin = jnp.minimum(p * payload, total)
+  end = jnp.minimum(begin + payload, total)
+  # sequence holding flat page f: the last b with cu[b] <= f (zero-page sequences never match)
+  b_first = jnp.clip(jnp.searchsorted(cu, begin, side="right").astype(jnp.int32) - 1, 0, b - 1)
+  b_last = jnp.clip(jnp.searchsorted(cu, end - 1, side="right").astype(jnp.int32) - 1, 0, b - 1)
+  b_last = jnp.where(end > begin, b_last, b_first - 1)
+  return cu, jnp.stack([begin, end, b_first, b_last], axis=-1).astype(jnp.int32)
+
+
+def _combine(o_part, lse2_part, sched, batch: int):
+  """Merges the partials: o_part f32 [E, G, 512, N] (normalized), lse2_part f32 [E, G, N] (log2 domain).
+
+  Returns out f32 [B, G, 512, N] and lse f32 [B, G, N] (natural log; +inf where a row saw no key).
+  """
+  e_total = o_part.shape[0]
+  num_parts = sched.shape[0]
+  begin, end, b_first, b_last = (sched[:, i] for i in range(4))
+  p = jnp.arange(num_parts, dtype=jnp.int32)
+  start = jnp.where(end > begin, p + b_first, e_total)            # first entry of each share (empty ones last)
+  e = jnp.arange(e_total, dtype=jnp.int32)
+  part_of_e = jnp.searchsorted(start, e, side="right").astype(jnp.int32) - 1
+  pe = jnp.clip(part_of_e, 0, num_parts - 1)
+  b_of_e = e - pe
+  valid = (part_of_e >= 0) & (b_of_e <= b_last[pe]) & (end[pe] > begin[pe])
+  seg = jnp.where(valid, b_of_e, batch)
+  lse2 = jnp.where(valid[:, None, None], lse2_part, -jnp.inf)
+  m = jax.ops.segment_max(lse2, seg, num_segments=batch + 1, indices_are_sorted=True)   # [B+1, G, N]
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp2(lse2 - m_safe[seg])                                   # 0 for invalid entries / empty rows
+  den = jax.ops.segment_sum(w, seg, num_segments=batch + 1, indices_are_sorted=True)
+  o = jnp.where(valid[:, None, None, None], o_part, 0.0) * w[:, :, None, :]
+  num = jax.ops.segment_sum(o, seg, num_segments=batch + 1, indices_are_sorted=True)
+  den, num, m = den[:batch], num[:batch], m[:batch]
+  seen = den > 0
+  out = num / jnp.where(seen, den, 1.0)[:, :, None, :]
+  lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, den, 1.0))) * LN2, jnp.inf)
+  return out, lse
+
+
+# ---- the kernel ------------------------------------------------------------------------------------------
+def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float,
+                interpret: bool):
+  n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
+  entries = parts + batch
+  dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
+  scale_log2 = float(softmax_scale) * LOG2E
+  causal_rows = bool(causal) and sq > 1
+
+  def body(*refs):
+    if fp8:
+      (qn_ref, qr_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref,
+       qn_smem, qr_smem, ring_lat, ring_rope, ring_sc, kbuf, sx, pbuf,
+       loaded, consumed, xbar, xread, qbar) = refs
+    else:
+      (qn_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref,
+       qn_smem, qr_smem, ring_lat, ring_rope, sx, pbuf,
+       loaded, consumed, xbar, xread, qbar) = refs
+      sc_ref = ring_sc = kbuf = None
+    wg = lax.axis_index("wg")
+    part = lax.axis_index("part")
+    grp = lax.axis_index("g")
+    begin = sched_ref[part, 0]
+    end = sched_ref[part, 1]
+    b_first = sched_ref[part, 2]
+    b_last = sched_ref[part, 3]
+
+    def seq_pages(b):
+      cb = cu_ref[b]
+      cb1 = cu_ref[b + 1]
+      return jnp.maximum(begin, cb) - cb, jnp.minimum(end, cb1) - cb
+
+    # -------- warpgroup 2: the page producer --------
+    @pl.when(wg == 2)
+    def _producer():
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+
+        def page(j, c):
+          slot = lax.rem(c, stages)
+
+          @pl.when(c >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          pg = bt_ref[b, j]
+          for w in range(2):
+            plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
+                                    loaded.at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          if fp8:
+            plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
+          return c + 1
+
+        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      # observe the release of the last pages too, so no barrier phase is left pending at exit
+      for i in range(stages):
+        @pl.when(done + i >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
+
+    # -------- warpgroups 0, 1: dequant, scores, softmax, P.V over one half of the latent dims --------
+    def compute(w: int):
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
+      col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
+      q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
+      chunks = range(HALF // CHUNK)           # 64-wide chunks of this warpgroup's half
+
+      def dequant(slot, n_valid):
+        # fp8 [64, 128] tile t -> f16 * scale[:, t]; rows past the length -> 0 (they may hold NaN)
+        sc_all = plgpu.load(ring_sc.at[slot], layout=_scale_layout(), optimized=False)
+        col4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 1, layout=_scale_layout())
+        row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=_scale_layout())
+        ok = (row4 < n_valid).astype(jnp.float32)
+        for i in range(2):
+          t = 2 * w + i                                  # scale tile of these 128 dims
+          s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1)
+          ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+          x = ring_lat[slot, w, :, pl.ds(i * 128, 128)].astype(jnp.float16)
+          x = x * lax.broadcast_in_dim(s_t.astype(jnp.float16), x.shape, [0])
+          x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+          kbuf[w, :, pl.ds(i * 128, 128)] = x
+        plgpu.commit_smem()
+
+      def zero_tail(slot, n_valid):
+        # bf16 cache: rows past the length of a partial last page -> 0 before any product
+        @pl.when(n_valid < PAGE)
+        def _():
+          for c in chunks:
+            x = ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)]
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+            ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)] = jnp.where(rows < n_valid, x, jnp.zeros_like(x))
+          plgpu.commit_smem()
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+        length = lens_ref[b]
+
+        @pl.when(hi > lo)
+        def _segment():
+          plgpu.copy_gmem_to_smem(qn_ref.at[b, pl.ds(grp * n, n), pl.ds(w * HALF, HALF)], qn_smem.at[w],
+                                  qbar.at[w])
+          if w == 0:
+            plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(grp * n, n)], qr_smem, qbar.at[2])
+          plgpu.barrier_wait(qbar.at[w])
+          if w == 0:
+            plgpu.barrier_wait(qbar.at[2])
+          if causal_rows:
+            limit = length - sq + 1 + q_index                   # keys [0, L - Sq + s] are visible
+          else:
+            limit = length
+
+          def page(j, carry):
+            acc, m_i, l_i = carry
+            c = ctr + (j - lo)
+            slot = lax.rem(c, stages)
+            n_valid = length - j * PAGE
+            plgpu.barrier_wait(loaded.at[slot])
+            if fp8:
+              dequant(slot, n_valid)
+              tile = kbuf.at[w]
+            else:
+              zero_tail(slot, n_valid)
+              tile = ring_lat.at[slot, w]
+
+            def qk(acc_ref):
+              for cc in chunks:
+                plgpu.wgmma(acc_ref, tile.at[:, pl.ds(cc * CHUNK, CHUNK)],
+                            qn_smem.at[w, :, pl.ds(cc * CHUNK, CHUNK)].T)
+              if w == 0:
+                plgpu.wgmma(acc_ref, ring_rope.at[slot], qr_smem.T)
+              plgpu.wgmma_wait(0)
+              return acc_ref[...]
+
+            s_mine = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32))
+            if fp8:
+              plgpu.barrier_arrive(consumed.at[slot])            # latent dequantized, rope read: slot free
+
+            # swap partial scores with the other warpgroup (sx[w] is rewritten only after both read it)
+            @pl.when(c > 0)
+            def _():
+              plgpu.barrier_wait(xread)
+
+            sx[w] = s_mine
+            plgpu.barrier_arrive(xbar)
+            plgpu.barrier_wait(xbar)
+            s_other = sx[1 - w]
+            plgpu.barrier_arrive(xread)
+            s = (s_mine + s_other) if w == 0 else (s_other + s_mine)   # identical bits in both warpgroups
+
+            # online softmax over the 64 keys (axis 0) of each query row (axis 1), log2 domain
+            s = s * scale_log2
+            s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
+            l_i = l_i * alpha + p.sum(axis=0)
+            pbuf.at[w].T[...] = p.astype(dt)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+              for i, cc in enumerate(chunks):
+                plgpu.wgmma(acc_ref.at[pl.ds(i * CHUNK, CHUNK)], tile.at[:, pl.ds(cc * CHUNK, CHUNK)].T,
+                            pbuf.at[w].T)
+              plgpu.wgmma_wait(0)
+              return acc_ref[...]
+
+            # this page's P.V in a fresh accumulator, folded in with the rescale as one FMA per element
+            o_page = pl.run_scoped(pv, plgpu.ACC((HALF, n), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_page
+            if not fp8:
+              plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l_i
+
+          acc0 = plgpu.layout_cast(jnp.zeros((HALF, n), jnp.float32), plgpu.Layout.WGMMA)
+          m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+          l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+          acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          seen = l_i > 0
+          inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+          e = part + b
+          o_ref[e, grp, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+          if w == 0:
+            lse_ref[e, grp] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+
+        return ctr + jnp.maximum(hi - lo, 0)
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+
+      @pl.when(done > 0)
+      def _():
+        plgpu.barrier_wait(xread)          # the last swap's read-release, so no phase is left pending
+
+    for w in range(2):
+      pl.when(wg == w)(functools.partial(compute, w))
+
+  q_dt = dt
+  scratch = [
+      plgpu.SMEM((2, n, HALF), q_dt, transforms=_SWZ16),                            # qn_smem (by half)
+      plgpu.SMEM((n, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),                   # qr_smem
+  ]
+  if fp8:
+    scratch += [
+        plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),     # ring_lat
+        plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),        # ring_rope
+        plgpu.SMEM((stages, PAGE, 4), jnp.float32),                                   # ring_sc
+        plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=_SWZ16),                  # kbuf
+    ]
+  else:
+    scratch += [
+        plgpu.SMEM((stages, 2, PAGE, HALF), jnp.bfloat16, transforms=_SWZ16),
+        plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+    ]
+  scratch += [
+      plgpu.SMEM((2, PAGE, n), jnp.float32),                                        # sx
+      plgpu.SMEM((2, n, PAGE), dt, transforms=_SWZ16),                              # pbuf
+      plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),             # loaded
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),                           # consumed
+      plgpu.Barrier(num_arrivals=2),                                                # xbar
+      plgpu.Barrier(num_arrivals=2),                                                # xread
+      plgpu.Barrier(num_arrivals=1, num_barriers=3),                                # qbar
+  ]
+  out_type = (jax.ShapeDtypeStruct((entries, g_count, LATENT_DIM, n), jnp.float32),
+              jax.ShapeDtypeStruct((entries, g_count, n), jnp.float32))
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=(g_count, parts), grid_names=("g", "part"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False)
+
+
+def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
+               softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
+               num_stages: int | None = None, rows_per_cta: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
+
+  num_parts / num_stages / rows_per_cta override the plan (tests and tuning); None picks them.
+  """
+  if cache.page_size != PAGE:
+    raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
+  if cache.dtype not in ("bfloat16", "fp8_e4m3"):
+    raise ValueError(f"mosaic_sm90 supports bfloat16 and fp8_e4m3 caches, got {cache.dtype}")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
+  batch, sq, heads, _ = q.shape
+  fp8 = cache.dtype == "fp8_e4m3"
+  plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta)
+  rows_padded = plan.n * plan.groups
+  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
+  if rows_padded != plan.rows:
+    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))
+  q_nope = qf[..., :LATENT_DIM].astype(jnp.float16 if fp8 else jnp.bfloat16)
+  q_rope = qf[..., LATENT_DIM:]
+  max_pages = block_table.shape[1]
+  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
+  table = jnp.clip(block_table, 0, cache.num_pages - 1)
+  cu, sched = schedule((lens + PAGE - 1) // PAGE, plan.num_parts)
+  call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
+                     interpret=interpret)
+  cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
+  o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, table, lens, cu, sched)
+  out, lse = _combine(o_part, lse2_part, sched, batch)                  # [B, G, 512, N], [B, G, N]
+  out = jnp.swapaxes(out, -1, -2).reshape(batch, rows_padded, LATENT_DIM)[:, :plan.rows]
+  lse = lse.reshape(batch, rows_padded)[:, :plan.rows]
+  out = out.reshape(batch, sq, heads, LATENT_DIM).astype(q.dtype)
+  lse = jnp.swapaxes(lse.reshape(batch, sq, heads), 1, 2)
+  return out, lse

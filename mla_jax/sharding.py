@@ -258,6 +258,17 @@ class ShardingPlan:
         which never build the full array (`mla_jax.sharding.load_sharded`)."""
         return jax.device_put(state, self.param_shardings(state))
 
+    def engine_weight_shardings(self, weights) -> Any:
+        """Shardings for the engine's `EngineWeights(model=nnx.State, absorbed=((w_uk, w_uv), ...))` (abstract or
+        concrete): the model state by the rules, the absorbed W_UK / W_UV by head (TP) or replicated (DP)."""
+        absorbed = tuple(tuple(self.sharding(self.param_spec(f"absorbed/{i}/{name}", a.shape))
+                               for name, a in zip(("w_uk", "w_uv"), pair))
+                         for i, pair in enumerate(weights.absorbed))
+        return type(weights)(self.param_shardings(weights.model), absorbed)
+
+    def place_engine_weights(self, weights) -> Any:
+        return jax.device_put(weights, self.engine_weight_shardings(weights))
+
     # ---- KV cache -------------------------------------------------------------------------------------------
     def cache_spec(self, ndim: int) -> P:
         """TP: replicated. DP attention: the page axis split (each device holds 1/N of the pages)."""
@@ -782,3 +793,61 @@ class DevicePagePools:
 
     def shares_pool(self, a, b) -> bool:
         return bool(a) and bool(b) and self.device_of(a) == self.device_of(b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Abstract sharded plans (dry runs: full-size shapes, no allocation)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _category(path: str) -> str:
+    if "/self_attn/" in path:
+        return "attention"
+    if "/mlp/experts/" in path:
+        return "routed_experts"
+    if "/mlp/shared_experts/" in path:
+        return "shared_experts"
+    if "/mlp/gate/" in path:
+        return "router"
+    if "/mlp/" in path:
+        return "dense_mlp"
+    if path.startswith(("embed_tokens/", "lm_head/")):
+        return "embed_lm_head"
+    return "norms"
+
+
+def abstract_engine_state(cfg, dtype, *, num_pages: int, page_size: int = 64, cache_dtype: str = "fp8_e4m3"):
+    """(graphdef, EngineWeights, caches) of the engine as ShapeDtypeStructs: the model built by nnx.eval_shape,
+    the absorbed W_UK / W_UV and the per-layer caches by jax.eval_shape. Nothing is allocated."""
+    from flax import nnx
+
+    from mla_jax.engine.steps import EngineWeights, allocate_caches
+    from mla_jax.model.transformer import DeepseekV3
+
+    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+
+    def absorbed(state):
+        m = nnx.merge(graphdef, state)
+        return tuple(tuple(layer.self_attn.absorbed_weights()) for layer in m.layers)
+
+    weights = EngineWeights(state, jax.eval_shape(absorbed, state))
+    caches = jax.eval_shape(lambda: allocate_caches(cfg, num_pages, page_size=page_size, dtype=cache_dtype))
+    return graphdef, weights, caches
+
+
+def memory_per_device(plan: ShardingPlan, weights, caches) -> dict[str, int]:
+    """Bytes one device holds, by category, for abstract (or concrete) engine weights and caches laid out by the
+    plan (device 0; with these rules every device holds the same amount)."""
+    out: dict[str, int] = {}
+    shardings = plan.engine_weight_shardings(weights)
+
+    def add(kp, a, s):
+        cat = _category(path_str(kp))
+        out[cat] = out.get(cat, 0) + math.prod(s.shard_shape(a.shape)) * dtype_bits(a.dtype) // 8
+
+    jax.tree_util.tree_map_with_path(add, weights.model, shardings.model)
+    out["absorbed_w_uk_w_uv"] = bytes_per_device(weights.absorbed, shardings.absorbed)
+    out["weights_total"] = sum(out.values())
+    out["kv_cache"] = bytes_per_device(caches, plan.cache_shardings(caches))
+    out["total"] = out["weights_total"] + out["kv_cache"]
+    return out

@@ -61,13 +61,22 @@ class DeepseekV3(nnx.Module):
                        precision=matmul_precision(w.dtype))
 
     def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """input_ids int32 [B, S] -> float32 logits [B, S, V]; positions 0..S-1, full causal, no cache."""
+        """input_ids int32 [B, S] -> float32 logits [B, S, V]; positions 0..S-1, full causal, no cache.
+
+        Compiled (nnx.jit, cached per model structure and input shape); `forward` is the same math un-jitted."""
         input_ids = jnp.asarray(input_ids)
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids must be integer [batch, seq], got {input_ids.dtype} {input_ids.shape}")
+        return _forward_jit(self, input_ids.astype(jnp.int32))
+
+    def forward(self, input_ids: jax.Array) -> jax.Array:
+        """Un-jitted full causal forward: input_ids int [B, S] -> float32 logits [B, S, V]."""
         B, S = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h, positions)
         return self.logits(h)
+
+
+_forward_jit = nnx.jit(DeepseekV3.forward)

@@ -2,8 +2,9 @@
 
 A page holds `page_size` consecutive tokens of one sequence in every layer's cache (the layers share one page
 numbering). Slot of token position p of a sequence = block[p // page_size] * page_size + p % page_size.
-Page 0 is never handed out: it is the scratch page that padding rows of a batch write to and that unused
-block-table entries point at, so a padded row can never touch a live sequence's pages.
+Page 0 is never handed out: it is the scratch page that unused block-table entries point at, so reading a
+padded entry (e.g. the prefill step's gather of a row's pages, masked afterwards) stays in range and never
+depends on a live sequence. Padding rows write nothing (slot -1, which MLAKVCache.write skips).
 """
 from __future__ import annotations
 

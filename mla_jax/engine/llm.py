@@ -1,0 +1,439 @@
+"""`mla_jax.LLM`: offline batched generation over a paged MLA KV cache (the engine).
+
+    llm = LLM(path, dtype="bfloat16", kv_cache_dtype="auto", attention_backend="auto")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+
+Each engine step is a prefill step (chunks of prompts, non-absorbed attention) or a decode step (one token for
+every running request, absorbed MLA through pallas_kernels.mla_decode), chosen by the Scheduler; sampling runs on
+the device in the same jitted call. Step shapes are padded to buckets (batch: powers of two up to max_num_seqs;
+chunk: powers of two from 16 up to max_num_batched_tokens; prefix pages: powers of two up to the block-table
+width), so a steady-state workload compiles nothing new.
+
+Failures are per request: a prompt longer than max_model_len, an empty prompt or a token id outside the vocabulary
+gives that request finish_reason "error" and a ValueError in RequestOutput.error; the other requests run
+normally. Pass raise_on_error=True to generate() to have it raise the first such error after all requests ran.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from . import paged
+from .params import RequestOutput, SamplingParams
+from .sampling import sample
+from .scheduler import Request, Scheduler
+from .steps import allocate_caches, decode_step, prefill_step, split_model
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
+MIN_CHUNK_BUCKET = 16
+
+
+def _pow2_buckets(cap: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` below cap, then cap itself."""
+    out, b = [], start
+    while b < cap:
+        out.append(b)
+        b *= 2
+    out.append(cap)
+    return out
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class LLM:
+    """Offline generation engine. Arguments as DESIGN §3; engine knobs (keyword only):
+
+    num_pages: KV-cache pages per layer including the scratch page (default: enough for max_num_seqs sequences of
+        max_model_len tokens, capped by kv_cache_memory_bytes); tests set it small to force waiting/preemption.
+    max_num_batched_tokens: prompt tokens per prefill step (the chunk size of chunked prefill), default 2048.
+    page_size: tokens per page (64, FlashMLA's).
+    kv_cache_memory_bytes: memory budget for the default num_pages (default: 90% of the device's free memory, or
+        1 GiB where the device reports none, e.g. CPU).
+    """
+
+    def __init__(self, model: Union[str, os.PathLike], dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
+                 attention_backend: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 16,
+                 tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
+                 num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
+                 kv_cache_memory_bytes: Optional[int] = None):
+        from mla_jax.engine.text import Tokenizer
+        import mla_jax
+
+        path = os.fspath(model)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
+                                    "config.json and *.safetensors, or one written by scripts/convert.py)")
+        loaded, cfg = mla_jax.load_model(path, dtype=dtype)
+        tokenizer = Tokenizer.from_dir(path)
+        self._init(loaded, cfg, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(path, cfg, tokenizer),
+                   kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend, max_model_len=max_model_len,
+                   max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, interpret=interpret,
+                   seed=seed, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
+                   page_size=page_size, kv_cache_memory_bytes=kv_cache_memory_bytes)
+
+    @classmethod
+    def from_model(cls, model, *, tokenizer=None, eos_token_ids: Sequence[int] = (), **kwargs) -> "LLM":
+        """An engine over an already built model (e.g. random weights for benchmarks). kwargs as __init__ minus
+        dtype (the model's own)."""
+        self = cls.__new__(cls)
+        cfg = model.cfg
+        eos = set(eos_token_ids) | set(_as_tuple(cfg.eos_token_id))
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
+        self._init(model, cfg, tokenizer=tokenizer, eos_token_ids=frozenset(eos), **kwargs)
+        return self
+
+    def _init(self, model, cfg, *, tokenizer, eos_token_ids, kv_cache_dtype="auto", attention_backend="auto",
+              max_model_len=None, max_num_seqs=16, tensor_parallel_size=1, interpret=False, seed=0, num_pages=None,
+              max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this engine runs on one device "
+                             "(tensor_parallel_size=1); sharded serving goes through mla_jax.sharding")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.dtype = jnp.dtype(model.dtype)
+        self.kv_cache_dtype = str(self.dtype) if kv_cache_dtype == "auto" else kv_cache_dtype
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is larger than the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}; lower it")
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.page_size = page_size
+        self.interpret = bool(interpret)
+        self.seed = seed
+        self._num_requests = 0
+
+        # Backend: resolved once, logged once (pallas_kernels' INFO line); an impossible request raises here.
+        self.backend, self.backend_reason = resolve_backend(attention_backend, self.kv_cache_dtype,
+                                                            self.interpret)
+
+        self.block_table_width = paged.cdiv(max_model_len, page_size)
+        if num_pages is None:
+            num_pages = self._default_num_pages(kv_cache_memory_bytes)
+        self.allocator = paged.PageAllocator(num_pages, page_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)
+        self.graphdef, self.weights = split_model(model)
+
+        self._batch_buckets = _pow2_buckets(max_num_seqs)
+        self._chunk_buckets = _pow2_buckets(max(max_num_batched_tokens, MIN_CHUNK_BUCKET), MIN_CHUNK_BUCKET)
+        self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
+        # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
+        # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
+        self._decode_fn = jax.jit(decode_step, static_argnums=(0,), static_argnames=("backend", "interpret"),
+                                  donate_argnums=(2,))
+        self._prefill_fn = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits",),
+                                   donate_argnums=(2,))
+        self._sample_fn = jax.jit(sample)
+        logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
+                    "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
+                    page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)
+
+    def _default_num_pages(self, budget: Optional[int]) -> int:
+        probe = pallas_kernels.MLAKVCache.allocate(1, page_size=self.page_size, dtype=self.kv_cache_dtype)
+        page_bytes = sum(x.nbytes for x in jax.tree.leaves(probe)) * self.cfg.num_hidden_layers
+        if budget is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+            else:
+                budget = 1 << 30
+        want = self.max_num_seqs * self.block_table_width + 1
+        fit = budget // page_bytes
+        if fit < self.block_table_width + 1:
+            raise ValueError(f"the KV cache budget of {budget / 2**30:.2f} GiB holds {fit} pages of {page_bytes} B, "
+                             f"but one sequence of max_model_len={self.max_model_len} needs "
+                             f"{self.block_table_width} pages (+1 scratch); lower max_model_len or raise "
+                             "kv_cache_memory_bytes / num_pages")
+        if fit < want:
+            logger.info("KV cache: %d pages fit in %.2f GiB (%d would hold max_num_seqs full-length sequences); "
+                        "requests will wait or be preempted when pages run out", fit, budget / 2**30, want)
+        return int(min(want, fit))
+
+    # ---- public --------------------------------------------------------------------------------------------
+    def num_compiles(self) -> int:
+        """Number of compiled variants of the step functions so far (steady state: stops growing)."""
+        return sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 raise_on_error: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. prompts: a str or a list of str (needs the model's tokenizer),
+        or a list of token-id lists. sampling_params: one for all prompts or one per prompt."""
+        outputs = None
+        for event in self.generate_stream(prompts, sampling_params):
+            if event.outputs is not None:
+                outputs = event.outputs
+        if raise_on_error:
+            for o in outputs:
+                o.raise_for_error()
+        return outputs
+
+    def generate_stream(self, prompts, sampling_params=None) -> Iterator["StreamEvent"]:
+        """Yields a StreamEvent per generated token (index of the prompt, token id, text delta) and a last event
+        whose `outputs` holds every RequestOutput in prompt order."""
+        from mla_jax.engine.text import IncrementalDetokenizer
+
+        t0 = time.perf_counter()
+        prompts, params = self._normalize(prompts, sampling_params)
+        reqs: list[Request] = []
+        failed: dict[int, Exception] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            prompt_text = prompt if isinstance(prompt, str) else None
+            try:
+                ids = self._tokenize(prompt)
+                self._validate_prompt(ids)
+            except ValueError as e:
+                failed[i] = e
+                ids = [] if not isinstance(prompt, (list, tuple)) else [int(t) for t in prompt if _is_int(t)]
+            seed = sp.seed if sp.seed is not None else self._derived_seed()
+            reqs.append(Request(i, ids, sp, seed=seed, prompt=prompt_text))
+        detok = {}
+        for r in reqs:
+            if r.request_id in failed:
+                r.finish_reason, r.error = "error", failed[r.request_id]
+            elif r.params.max_tokens == 0:
+                r.finish_reason = "length"
+            else:
+                self.scheduler.add(r)
+                if self.tokenizer is not None:
+                    detok[r.request_id] = IncrementalDetokenizer(self.tokenizer)
+        try:
+            while self.scheduler.has_unfinished():
+                for req, tok in self._step():
+                    if req.first_token_time is None:
+                        req.first_token_time = time.perf_counter()
+                    delta = detok[req.request_id].push(tok) if req.request_id in detok else ""
+                    if req.finish_reason is not None and req.request_id in detok:
+                        delta += detok[req.request_id].flush()
+                    yield StreamEvent(req.request_id, tok, delta, req.finish_reason)
+        except BaseException:
+            self._abort_all()
+            raise
+        t1 = time.perf_counter()
+        yield StreamEvent(None, None, "", None, outputs=[self._output(r, t0, t1) for r in reqs])
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _normalize(self, prompts, sampling_params):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one for all "
+                                 "or one per prompt")
+            for p in params:
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        return prompts, params
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json, so text prompts cannot be encoded; "
+                                 "pass token-id lists instead")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if isinstance(prompt, np.ndarray) else list(prompt)
+        bad = [t for t in ids if not _is_int(t) or not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} are not ints in [0, vocab_size={self.cfg.vocab_size})")
+        return [int(t) for t in ids]
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens): the model needs at least one token to condition on "
+                             "(e.g. the BOS token)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, longer than max_model_len={self.max_model_len}; "
+                             "shorten it or raise max_model_len")
+
+    def _derived_seed(self) -> int:
+        self._num_requests += 1
+        return int(np.random.SeedSequence([self.seed, self._num_requests]).generate_state(1)[0] & 0x7FFFFFFF)
+
+    def _abort_all(self) -> None:
+        for r in list(self.scheduler.running):
+            self.scheduler.finish(r, "abort")
+        self.scheduler.waiting.clear()
+
+    def _output(self, r: Request, t0: float, t1: float) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None and r.output_token_ids:
+            text = self.tokenizer.decode(r.output_token_ids)
+        metrics = {"time_to_first_token_s": None if r.first_token_time is None else r.first_token_time - t0,
+                   "latency_s": (r.finish_time or t1) - t0}
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+            token_ids=list(r.output_token_ids), text=text,
+            logprobs=list(r.output_logprobs) if r.params.logprobs else None,
+            finish_reason=r.finish_reason, error=r.error, num_preemptions=r.num_preemptions, metrics=metrics)
+
+    def _sampling_arrays(self, rows: list[Optional[Request]], n: int):
+        temperature = np.zeros(n, np.float32)
+        top_k = np.full(n, -1, np.int32)
+        top_p = np.ones(n, np.float32)
+        seeds = np.zeros(n, np.uint32)
+        steps = np.zeros(n, np.int32)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            p = r.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            seeds[i], steps[i] = r.seed, len(r.output_token_ids)
+        return temperature, top_k, top_p, seeds, steps
+
+    def _step(self) -> list[tuple[Request, int]]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        ps = self.page_size
+        if plan.kind == "decode":
+            reqs = plan.decode
+            B = _bucket(len(reqs), self._batch_buckets)
+            tokens = np.zeros(B, np.int32)
+            positions = np.zeros(B, np.int32)
+            slot = np.full(B, -1, np.int32)       # -1: padding rows write nothing
+            seq_lens = np.zeros(B, np.int32)
+            for i, r in enumerate(reqs):
+                pos = r.num_tokens - 1
+                tokens[i], positions[i], seq_lens[i] = r.all_token_ids[-1], pos, pos + 1
+                slot[i] = paged.slots(r.pages, [pos], ps)[0]
+            bt = paged.block_table([r.pages for r in reqs], B, self.block_table_width)
+            samp = self._sampling_arrays(reqs, B)
+            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches, tokens, positions, slot,
+                                                  bt, seq_lens, backend=self.backend, interpret=self.interpret)
+            for r in reqs:
+                r.num_computed = r.num_tokens
+            sampled = reqs
+            row_of = {id(r): i for i, r in enumerate(reqs)}
+        else:
+            chunks = plan.prefill
+            N = _bucket(len(chunks), self._batch_buckets)
+            C = _bucket(max(c.length for c in chunks), self._chunk_buckets)
+            P = _bucket(max(paged.cdiv(c.start, ps) for c in chunks), self._prefix_buckets)
+            tokens = np.zeros((N, C), np.int32)
+            positions = np.zeros((N, C), np.int32)
+            slot = np.full((N, C), -1, np.int32)
+            prefix_lens = np.zeros(N, np.int32)
+            chunk_lens = np.zeros(N, np.int32)
+            for i, c in enumerate(chunks):
+                r, pos = c.request, np.arange(c.start, c.start + c.length)
+                tokens[i, : c.length] = r.all_token_ids[c.start: c.start + c.length]
+                positions[i, : c.length] = pos
+                slot[i, : c.length] = paged.slots(r.pages, pos, ps)
+                prefix_lens[i], chunk_lens[i] = c.start, c.length
+            bt = paged.block_table([c.request.pages[:P] for c in chunks], N, P)
+            rows = [c.request if c.samples else None for c in chunks]
+            samp = self._sampling_arrays(rows, N)
+            self.caches, logits = self._prefill_fn(self.graphdef, self.weights, self.caches, tokens, positions,
+                                                   slot, bt, prefix_lens, chunk_lens)
+            for c in chunks:
+                c.request.num_computed += c.length
+            sampled = [c.request for c in chunks if c.samples]
+            row_of = {id(c.request): i for i, c in enumerate(chunks)}
+        if not sampled:
+            return []
+        tok, lp = self._sample_fn(logits, *samp)
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        events = []
+        now = time.perf_counter()
+        for r in sampled:
+            i = row_of[id(r)]
+            r.output_token_ids.append(int(tok[i]))
+            r.output_logprobs.append(float(lp[i]))
+            reason = self.scheduler.check_stop(r, self.eos_token_ids)
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+                r.finish_time = now
+            events.append((r, int(tok[i])))
+        return events
+
+
+def resolve_backend(requested: str, cache_dtype: str, interpret: bool) -> tuple[str, str]:
+    """(backend name, reason) for mla_decode on the default device, through pallas_kernels' choice (which logs
+    its INFO line for 'auto'); a requested backend that cannot run raises ValueError with the reason."""
+    # NOTE: uses pallas_kernels.mla_decode.api's Target helpers (no public one-call wrapper exists yet).
+    from pallas_kernels.mla_decode import api
+
+    target = api._device_target(api._default_device(), cache_dtype, bool(interpret))
+    name = api.select_backend(requested, target)
+    if requested == "auto":
+        _, rule = api._auto_order(target)
+        reason = f"auto: {rule}; {target.describe()}"
+    else:
+        reason = f"requested explicitly; it can run on {target.describe()}"
+    return name, reason
+
+
+class StreamEvent:
+    """One generated token of request `index` (token_id, text delta, finish_reason once it finished), or — the
+    last event of a stream — index None and `outputs` = every RequestOutput in prompt order."""
+
+    __slots__ = ("index", "token_id", "text", "finish_reason", "outputs")
+
+    def __init__(self, index, token_id, text, finish_reason, outputs=None):
+        self.index, self.token_id, self.text, self.finish_reason, self.outputs = (
+            index, token_id, text, finish_reason, outputs)
+
+    def __repr__(self):
+        return (f"StreamEvent(index={self.index}, token_id={self.token_id}, text={self.text!r}, "
+                f"finish_reason={self.finish_reason})")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def _eos_token_ids(path: str, cfg, tokenizer) -> frozenset:
+    """eos ids from the tokenizer (tokenizer_config + generation_config), or without one from
+    generation_config.json, plus config.json's eos_token_id."""
+    eos = set(_as_tuple(cfg.eos_token_id))
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    else:
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                eos |= set(_as_tuple(json.load(f).get("eos_token_id")))
+    return frozenset(int(i) for i in eos)

@@ -34,6 +34,7 @@ ones are iterated (a while loop with a data-dependent trip count).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Optional
 
@@ -176,6 +177,7 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _random_awq(key, lead: tuple, n_in: int, n_out: int, group_size: int):
     """Random int4 weights with realistic zero points and scales (std(W) ~ 1/sqrt(in)); used as the init."""
     kq, kz, ks = jax.random.split(key, 3)

@@ -1,9 +1,13 @@
 """DeepSeekMoE: router (noaux_tc / group_limited_greedy / greedy), stacked routed experts, shared experts.
 
-Routed experts run as sort + `jax.lax.ragged_dot`: the T·K (token, expert) assignments are sorted by expert, each
-expert multiplies only its own contiguous rows, results are weighted and scatter-added back. Exact (no capacity
-limit, no token dropping) and proportional to T·K on CPU. On GPU XLA expands ragged_dot to a dense masked dot
-(DESIGN.md §7), so a faster path for large models belongs to the engine.
+Routed experts, two exact implementations (no capacity limit, no token dropping), chosen by `Experts.impl`:
+- "ragged_dot" (default): the T·K (token, expert) assignments are sorted by expert, each expert multiplies only
+  its own contiguous rows (`jax.lax.ragged_dot`), results are weighted and scatter-added back. Work ∝ T·K on CPU;
+  differentiable. jax 0.11 cannot vmap ragged_dot, so vmapping a model over a batch axis needs "dense".
+- "dense": every expert runs on every token and a [T, E] combine matrix (zero for unchosen experts) weights the
+  results. Work ∝ T·E; composes with vmap and with sharding the E axis.
+On GPU XLA expands ragged_dot to a dense masked dot anyway (DESIGN.md §7); a faster grouped GEMM for large
+models belongs to the engine.
 """
 
 from __future__ import annotations
@@ -70,7 +74,14 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts stacked: w_gate [E, D, I], w_up [E, D, I], w_down [E, I, D]."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
+    IMPLS = ("ragged_dot", "dense")
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs,
+                 impl: str = "ragged_dot"):
+        if impl not in self.IMPLS:
+            raise ValueError(f"Experts impl={impl!r}: expected one of {self.IMPLS}")
+        self.impl = impl
+
         def init(shape):
             return (jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype)
 
@@ -80,6 +91,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array) -> jax.Array:
         """x [T, D], topk_idx int [T, K], topk_w [T, K] -> Σ_k w·down(silu(gate x)·up x)  [T, D] in x.dtype."""
+        if self.impl == "dense":
+            return self._dense(x, topk_idx, topk_w)
         T, K = topk_idx.shape
         E = self.w_gate.shape[0]
         flat_e = topk_idx.reshape(-1)                                   # [T*K]
@@ -97,6 +110,21 @@ class Experts(nnx.Module):
         y = rdot(h.astype(w_down.dtype), w_down).astype(x.dtype)                             # [T*K, D]
         y = y.astype(jnp.float32) * topk_w.reshape(-1)[order][:, None].astype(jnp.float32)
         return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+    def _dense(self, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array) -> jax.Array:
+        E = self.w_gate.shape[0]
+        w_gate, w_up, w_down = self.w_gate[...], self.w_up[...], self.w_down[...]
+        prec = matmul_precision(w_gate.dtype)
+        combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(topk_idx, E, dtype=jnp.float32),
+                             topk_w.astype(jnp.float32))                                    # [T, E]
+        xw = x.astype(w_gate.dtype)
+        g = jnp.einsum("td,edi->tei", xw, w_gate, preferred_element_type=jnp.float32, precision=prec)
+        u = jnp.einsum("td,edi->tei", xw, w_up, preferred_element_type=jnp.float32, precision=prec)
+        h = jax.nn.silu(g.astype(x.dtype)) * u.astype(x.dtype)                                # [T, E, I]
+        y = jnp.einsum("tei,eid->ted", h.astype(w_down.dtype), w_down, preferred_element_type=jnp.float32,
+                       precision=prec).astype(x.dtype)                                      # [T, E, D]
+        return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine, precision=prec).astype(x.dtype)
 
 
 def make_experts(cfg: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):

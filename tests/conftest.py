@@ -1,0 +1,22 @@
+"""Shared test helpers: paths of the HF reference fixtures written by scripts/make_fixtures.py."""
+
+import os
+
+import numpy as np
+
+FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+# HF transformers reference checkpoints (config.json + safetensors + golden.npz); see scripts/make_fixtures.py.
+HF_FIXTURES = ("v3_yarn", "v2_lite", "real_dims", "v2_group_limited", "v3_plain")
+
+
+def fixture_path(name: str) -> str:
+    path = os.path.join(FIXTURES_DIR, name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"test fixture {name!r} not found at {path}")
+    return path
+
+
+def load_golden(name: str) -> dict:
+    """input_ids int32 [2, S], logits_fp32 / logits_bf16 float32 [2, S, V] (HF eager), meta (JSON str)."""
+    with np.load(os.path.join(fixture_path(name), "golden.npz")) as g:
+        return {k: g[k] for k in g.files}

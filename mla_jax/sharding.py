@@ -323,9 +323,9 @@ class ShardingPlan:
         Prefill attention runs head-parallel in both modes: with TP attention that is where the weights put it
         anyway; with data-parallel attention (replicated weights, replicated prefill tokens) it keeps every
         device from computing all heads of every prompt token."""
-        if self.num_devices == 1:
-            return x
         axis = axis % x.ndim
+        if self.num_devices == 1 or x.shape[axis] % self.num_devices:
+            return x             # (data-parallel attention allows head counts the devices do not divide)
         return jax.lax.with_sharding_constraint(x, self.sharding(P(*([None] * axis), AXIS)))
 
     def mlp(self, module, x: jax.Array, *, decode: bool) -> jax.Array:
@@ -403,20 +403,20 @@ class ShardingPlan:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()), out_specs=specs,
                              check_vma=False)(cache, slots, latent, rope)
 
-    def read_pages(self, cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cache.gather(block_table) (each row's pages, dequantized: latent [N, P·ps, 512], rope [N, P·ps, 64])
-        with the rows replicated. TP: plain (the cache is replicated). DP attention: each device gathers the
-        pages it owns and zeros the rest, and a sum over devices assembles every row (each page has exactly one
-        owner). Used by the prefill step to read a chunk's cached prefix."""
+    def read_pages(self, gather: Callable, cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """gather(cache, block_table) -> (latent [N, P·ps, ·], rope [N, P·ps, ·]), each row's pages dequantized
+        (the engine's `read_pages`), with the rows replicated. TP: plain (the cache is replicated). DP attention:
+        each device gathers the pages it owns and zeros the rest, and a sum over devices assembles every row
+        (each page has exactly one owner). Used by the prefill step to read a chunk's cached prefix."""
         if self.num_devices == 1 or not self.data_parallel_attention:
-            return cache.gather(block_table)
+            return gather(cache, block_table)
         pages_local = _num_pages(cache) // self.num_devices
         page_size = _page_size(cache)
 
         def body(cache, block_table):
             local = block_table - jax.lax.axis_index(AXIS) * pages_local
             owned = (local >= 0) & (local < pages_local)                        # [N, P]
-            latent, rope = cache.gather(jnp.where(owned, local, 0))
+            latent, rope = gather(cache, jnp.where(owned, local, 0))
             owned_tok = jnp.repeat(owned, page_size, axis=1)[..., None]         # [N, P·ps, 1]
             latent = jnp.where(owned_tok, latent, 0)
             rope = jnp.where(owned_tok, rope, 0)
@@ -424,6 +424,13 @@ class ShardingPlan:
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(self.cache_specs(cache), P()), out_specs=(P(), P()),
                              check_vma=False)(cache, block_table)
+
+    def caches(self, caches):
+        """Constrains (per-layer) caches to the plan's cache layout, so a jitted step returns them exactly as it
+        received them (one compilation, donation in place)."""
+        if self.num_devices == 1:
+            return caches
+        return jax.lax.with_sharding_constraint(caches, self.cache_shardings(caches))
 
     def experts(self, experts_module, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array, *,
                 scatter_rows: bool = False) -> jax.Array:
@@ -460,6 +467,54 @@ class ShardingPlan:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(state_specs, P(), P(), P()),
                              out_specs=P(AXIS) if scatter_rows else P(),
                              check_vma=False)(state, x, topk_idx, topk_w)
+
+
+class SingleDevice:
+    """The operations of ShardingPlan that the engine's step functions call, for an unsharded run (plain calls).
+    `ops(plan)` picks between the two, so the step functions read the same either way."""
+    num_devices = 1
+    data_parallel_attention = False
+
+    @staticmethod
+    def mla_decode(q, cache, block_table, seq_lens, **kwargs):
+        import pallas_kernels
+        return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+
+    @staticmethod
+    def write_cache(cache, slots, latent, rope):
+        return cache.write(slots, latent, rope)
+
+    @staticmethod
+    def read_pages(gather, cache, block_table):
+        return gather(cache, block_table)
+
+    @staticmethod
+    def mlp(module, x, *, decode: bool):
+        return module(x)
+
+    @staticmethod
+    def decode_rows(x):
+        return x
+
+    @staticmethod
+    def heads(x, axis):
+        return x
+
+    @staticmethod
+    def replicated(x):
+        return x
+
+    @staticmethod
+    def caches(caches):
+        return caches
+
+
+SINGLE_DEVICE = SingleDevice()
+
+
+def ops(plan: Optional[ShardingPlan]):
+    """The plan, or the single-device pass-through when there is none."""
+    return SINGLE_DEVICE if plan is None else plan
 
 
 def _num_pages(cache) -> int:
@@ -851,3 +906,31 @@ def memory_per_device(plan: ShardingPlan, weights, caches) -> dict[str, int]:
     out["kv_cache"] = bytes_per_device(caches, plan.cache_shardings(caches))
     out["total"] = out["weights_total"] + out["kv_cache"]
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def allocate_sharded(plan: ShardingPlan, allocate: Callable[[], Any]) -> Any:
+    """Runs allocate() (e.g. the engine's per-layer cache allocation) under jit with the plan's cache layout as
+    the output sharding, so each device creates only its part (no full copy on one device first)."""
+    abstract = jax.eval_shape(allocate)
+    return jax.jit(allocate, out_shardings=plan.cache_shardings(abstract))()
+
+
+def decode_rows_by_device(requests: Sequence, pools: DevicePagePools, buckets: Sequence[int]) -> list:
+    """Rows of a data-parallel-attention decode batch: device d's requests (by their pages' pool) fill rows
+    [d·Bl, d·Bl + count_d) in order, the rest of its Bl rows are padding (None); Bl is the smallest bucket that
+    holds the busiest device's requests. Returns a list of N·Bl requests-or-None."""
+    per_device: list[list] = [[] for _ in range(pools.num_devices)]
+    for r in requests:
+        per_device[pools.device_of(r.pages)].append(r)
+    need = max(len(rs) for rs in per_device)
+    bl = next((b for b in buckets if b >= need), None)
+    if bl is None:
+        raise ValueError(f"{need} decode rows on one device exceed the largest per-device bucket {buckets[-1]}")
+    rows: list = []
+    for rs in per_device:
+        rows += rs + [None] * (bl - len(rs))
+    return rows

@@ -187,7 +187,8 @@ def test_dp_cache_write_and_read_match_one_device(cache_dtype):
     lat_all, rope_all = want.dequantize()                               # reference: index the whole pool
     want_l = lat_all[bt].reshape(5, 2 * ps, 512)
     want_r = rope_all[bt].reshape(5, 2 * ps, 64)
-    got_l, got_r = jax.jit(lambda c, bt: pl.read_pages(c, bt))(got, bt)
+    from mla_jax.engine.steps import read_pages
+    got_l, got_r = jax.jit(lambda c, bt: pl.read_pages(read_pages, c, bt))(got, bt)
     np.testing.assert_array_equal(np.asarray(got_l), np.asarray(want_l))
     np.testing.assert_array_equal(np.asarray(got_r), np.asarray(want_r))
 

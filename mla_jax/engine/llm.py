@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from mla_jax import sharding
 from . import paged
 from .params import RequestOutput, SamplingParams
 from .sampling import sample
@@ -71,7 +72,7 @@ class LLM:
                  attention_backend: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 16,
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
-                 kv_cache_memory_bytes: Optional[int] = None):
+                 kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False):
         from mla_jax.engine.text import Tokenizer
         import mla_jax
 
@@ -79,13 +80,22 @@ class LLM:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
                                     "config.json and *.safetensors, or one written by scripts/convert.py)")
-        loaded, cfg = mla_jax.load_model(path, dtype=dtype)
+        sharding_plan = None
+        if tensor_parallel_size != 1 or data_parallel_attention:
+            # each device reads only its slices of the checkpoint (mla_jax.sharding)
+            from mla_jax.config import ModelConfig
+            sharding_plan = sharding.ShardingPlan.create(ModelConfig.from_pretrained(path), tensor_parallel_size,
+                                                         data_parallel_attention)
+            loaded, cfg = sharding.load_sharded(path, sharding_plan, dtype=dtype)
+        else:
+            loaded, cfg = mla_jax.load_model(path, dtype=dtype)
         tokenizer = Tokenizer.from_dir(path)
         self._init(loaded, cfg, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(path, cfg, tokenizer),
                    kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, interpret=interpret,
                    seed=seed, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
-                   page_size=page_size, kv_cache_memory_bytes=kv_cache_memory_bytes)
+                   page_size=page_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                   data_parallel_attention=data_parallel_attention, sharding_plan=sharding_plan)
 
     @classmethod
     def from_model(cls, model, *, tokenizer=None, eos_token_ids: Sequence[int] = (), **kwargs) -> "LLM":
@@ -101,10 +111,14 @@ class LLM:
 
     def _init(self, model, cfg, *, tokenizer, eos_token_ids, kv_cache_dtype="auto", attention_backend="auto",
               max_model_len=None, max_num_seqs=16, tensor_parallel_size=1, interpret=False, seed=0, num_pages=None,
-              max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None):
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this engine runs on one device "
-                             "(tensor_parallel_size=1); sharded serving goes through mla_jax.sharding")
+              max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None, data_parallel_attention=False,
+              sharding_plan=None):
+        # Several devices: weights, caches and the step functions' islands follow a mla_jax.sharding.ShardingPlan
+        # (tensor-parallel attention, or data-parallel attention; experts split over devices in both).
+        if sharding_plan is None and (tensor_parallel_size != 1 or data_parallel_attention):
+            sharding_plan = sharding.ShardingPlan.create(cfg, tensor_parallel_size, data_parallel_attention)
+        self.sharding_plan = sharding_plan
+        dp_devices = sharding_plan.num_devices if sharding_plan and sharding_plan.data_parallel_attention else 1
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -135,29 +149,44 @@ class LLM:
 
         self.block_table_width = paged.cdiv(max_model_len, page_size)
         if num_pages is None:
-            num_pages = self._default_num_pages(kv_cache_memory_bytes)
-        self.allocator = paged.PageAllocator(num_pages, page_size)
+            num_pages = self._default_num_pages(kv_cache_memory_bytes, dp_devices)
+        if dp_devices > 1:
+            # pages and decode rows split evenly over the devices; each sequence lives on one device
+            sharding_plan.check_cache_size(num_pages, max_num_seqs)
+            self.allocator = sharding.DevicePagePools(num_pages, page_size, dp_devices, max_num_seqs // dp_devices)
+        else:
+            self.allocator = paged.PageAllocator(num_pages, page_size)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)
         self.graphdef, self.weights = split_model(model)
+        if sharding_plan is None:
+            self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)
+        else:   # each device allocates only its part of the caches; weights (and W_UK/W_UV) by the rules
+            self.caches = sharding.allocate_sharded(sharding_plan, lambda: allocate_caches(
+                cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
+            self.weights = sharding_plan.place_engine_weights(self.weights)
 
         self._batch_buckets = _pow2_buckets(max_num_seqs)
+        self._device_batch_buckets = _pow2_buckets(max_num_seqs // dp_devices)
         self._chunk_buckets = _pow2_buckets(max(max_num_batched_tokens, MIN_CHUNK_BUCKET), MIN_CHUNK_BUCKET)
         self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
         # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
         # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
-        self._decode_fn = jax.jit(decode_step, static_argnums=(0,), static_argnames=("backend", "interpret"),
-                                  donate_argnums=(2,))
-        self._prefill_fn = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits",),
+        self._decode_fn = jax.jit(decode_step, static_argnums=(0,),
+                                  static_argnames=("backend", "interpret", "plan"), donate_argnums=(2,))
+        self._prefill_fn = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits", "plan"),
                                    donate_argnums=(2,))
-        self._sample_fn = jax.jit(sample)
+        # sampled tokens are read by the host of every process: replicated
+        self._sample_fn = (jax.jit(sample) if sharding_plan is None
+                           else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
         logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
                     "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
                     page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)
 
-    def _default_num_pages(self, budget: Optional[int]) -> int:
+    def _default_num_pages(self, budget: Optional[int], devices: int = 1) -> int:
+        """devices > 1 (data-parallel attention): the budget is per device and each holds 1/devices of the
+        pages, so the pool grows with the device count."""
         probe = pallas_kernels.MLAKVCache.allocate(1, page_size=self.page_size, dtype=self.kv_cache_dtype)
         page_bytes = sum(x.nbytes for x in jax.tree.leaves(probe)) * self.cfg.num_hidden_layers
         if budget is None:
@@ -166,7 +195,7 @@ class LLM:
                 budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
             else:
                 budget = 1 << 30
-        want = self.max_num_seqs * self.block_table_width + 1
+        want = self.max_num_seqs // devices * self.block_table_width + 1
         fit = budget // page_bytes
         if fit < self.block_table_width + 1:
             raise ValueError(f"the KV cache budget of {budget / 2**30:.2f} GiB holds {fit} pages of {page_bytes} B, "
@@ -176,7 +205,7 @@ class LLM:
         if fit < want:
             logger.info("KV cache: %d pages fit in %.2f GiB (%d would hold max_num_seqs full-length sequences); "
                         "requests will wait or be preempted when pages run out", fit, budget / 2**30, want)
-        return int(min(want, fit))
+        return devices * int(min(want, fit))
 
     # ---- public --------------------------------------------------------------------------------------------
     def num_compiles(self) -> int:
@@ -317,6 +346,21 @@ class LLM:
             seeds[i], steps[i] = r.seed, len(r.output_token_ids)
         return temperature, top_k, top_p, seeds, steps
 
+    def _put(self, *arrays):
+        """Host step inputs as jit arguments: as they are on one device; with a sharding plan, replicated global
+        arrays (jit refuses host arrays when the mesh spans several processes)."""
+        if self.sharding_plan is None:
+            return arrays
+        return sharding.put_global(self.sharding_plan, arrays)
+
+    def _decode_rows(self, reqs: list[Request]) -> list[Optional[Request]]:
+        """The decode batch's rows (None = padding), padded to a batch bucket. With data-parallel attention each
+        device's requests fill that device's block of rows (mla_jax.sharding.decode_rows_by_device)."""
+        if isinstance(self.allocator, sharding.DevicePagePools):
+            return sharding.decode_rows_by_device(reqs, self.allocator, self._device_batch_buckets)
+        B = _bucket(len(reqs), self._batch_buckets)
+        return list(reqs) + [None] * (B - len(reqs))
+
     def _step(self) -> list[tuple[Request, int]]:
         plan = self.scheduler.schedule()
         if plan is None:
@@ -324,23 +368,28 @@ class LLM:
         ps = self.page_size
         if plan.kind == "decode":
             reqs = plan.decode
-            B = _bucket(len(reqs), self._batch_buckets)
+            rows = self._decode_rows(reqs)
+            B = len(rows)
             tokens = np.zeros(B, np.int32)
             positions = np.zeros(B, np.int32)
             slot = np.full(B, -1, np.int32)       # -1: padding rows write nothing
             seq_lens = np.zeros(B, np.int32)
-            for i, r in enumerate(reqs):
+            for i, r in enumerate(rows):
+                if r is None:
+                    continue
                 pos = r.num_tokens - 1
                 tokens[i], positions[i], seq_lens[i] = r.all_token_ids[-1], pos, pos + 1
                 slot[i] = paged.slots(r.pages, [pos], ps)[0]
-            bt = paged.block_table([r.pages for r in reqs], B, self.block_table_width)
-            samp = self._sampling_arrays(reqs, B)
-            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches, tokens, positions, slot,
-                                                  bt, seq_lens, backend=self.backend, interpret=self.interpret)
+            bt = paged.block_table([r.pages if r is not None else [] for r in rows], B, self.block_table_width)
+            samp = self._sampling_arrays(rows, B)
+            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches,
+                                                  *self._put(tokens, positions, slot, bt, seq_lens),
+                                                  backend=self.backend, interpret=self.interpret,
+                                                  plan=self.sharding_plan)
             for r in reqs:
                 r.num_computed = r.num_tokens
             sampled = reqs
-            row_of = {id(r): i for i, r in enumerate(reqs)}
+            row_of = {id(r): i for i, r in enumerate(rows) if r is not None}
         else:
             chunks = plan.prefill
             N = _bucket(len(chunks), self._batch_buckets)
@@ -360,15 +409,16 @@ class LLM:
             bt = paged.block_table([c.request.pages[:P] for c in chunks], N, P)
             rows = [c.request if c.samples else None for c in chunks]
             samp = self._sampling_arrays(rows, N)
-            self.caches, logits = self._prefill_fn(self.graphdef, self.weights, self.caches, tokens, positions,
-                                                   slot, bt, prefix_lens, chunk_lens)
+            self.caches, logits = self._prefill_fn(self.graphdef, self.weights, self.caches,
+                                                   *self._put(tokens, positions, slot, bt, prefix_lens, chunk_lens),
+                                                   plan=self.sharding_plan)
             for c in chunks:
                 c.request.num_computed += c.length
             sampled = [c.request for c in chunks if c.samples]
             row_of = {id(c.request): i for i, c in enumerate(chunks)}
         if not sampled:
             return []
-        tok, lp = self._sample_fn(logits, *samp)
+        tok, lp = self._sample_fn(logits, *self._put(*samp))
         tok, lp = np.asarray(tok), np.asarray(lp)
         events = []
         now = time.perf_counter()

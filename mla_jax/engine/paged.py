@@ -43,10 +43,15 @@ class PageAllocator:
         """Pages a sequence of num_tokens tokens occupies."""
         return cdiv(num_tokens, self.page_size)
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, near=None) -> bool:
+        """near: pages the sequence already holds (one pool here; mla_jax.sharding.DevicePagePools uses it)."""
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def shares_pool(self, a: list[int], b: list[int]) -> bool:
+        """Whether freeing pages a can make room for pages near b (always, with one pool)."""
+        return True
+
+    def allocate(self, n: int, near=None) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):

@@ -175,8 +175,10 @@ class Scheduler:
                 continue
             # the step writes the newest token at position num_tokens - 1
             need = self.allocator.pages_for(req.num_tokens) - len(req.pages)
-            while need > 0 and not self.allocator.can_allocate(need):
-                victim = self.running[-1]
+            while need > 0 and not self.allocator.can_allocate(need, near=req.pages):
+                # the most recent request whose pages can make room for req (with data-parallel attention only
+                # requests on req's device can; req itself always qualifies)
+                victim = next(r for r in reversed(self.running) if self.allocator.shares_pool(r.pages, req.pages))
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -184,7 +186,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             if need > 0:
-                req.pages += self.allocator.allocate(need)
+                req.pages += self.allocator.allocate(need, near=req.pages)
             out.decode.append(req)
         return out
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from mla_jax import sharding
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, dequantize_fp8
 from mla_jax.config import ModelConfig
 from mla_jax.model.layers import matmul_precision
@@ -57,46 +58,48 @@ def decode_query_dtype(cache) -> jnp.dtype:
 # ---------------------------------------------------------------------------------------------------------------
 def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence, tokens: jax.Array,
                 positions: jax.Array, slots: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
-                backend: str = "xla", interpret: bool = False) -> tuple[tuple, jax.Array]:
+                backend: str = "xla", interpret: bool = False, plan=None) -> tuple[tuple, jax.Array]:
     """One decode step for B sequences, absorbed MLA (DESIGN §4).
 
     tokens int32 [B]: each sequence's newest token; positions int32 [B]: its position; slots int32 [B]: the cache
     slot it is written to (block_table[b, pos // ps] * ps + pos % ps); block_table int32 [B, P]; seq_lens int32 [B]
     = positions + 1 (padding rows: seq_len 0 and slot -1, which the cache write skips).
     backend: a pallas_kernels.mla_decode backend ("xla", "triton", "mosaic_sm90"; resolve "auto" once outside, so
-    the choice is logged once). Returns (caches, logits float32 [B, vocab]).
+    the choice is logged once). plan: a mla_jax.sharding.ShardingPlan to run over several devices (None: one).
+    Returns (caches, logits float32 [B, vocab]).
     """
+    ops = sharding.ops(plan)
     model = nnx.merge(graphdef, weights.model)
     cfg: ModelConfig = model.cfg
     prec = matmul_precision(model.dtype)
-    h = model.embed(tokens)                                                         # [B, D]
+    h = ops.decode_rows(model.embed(tokens))                                        # [B, D]
     new_caches = []
     for layer, cache, (w_uk, w_uv) in zip(model.layers, caches, weights.absorbed):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         q_nope, q_rope = attn.project_q(x, positions)                               # [B,H,Nn], [B,H,R]
         latent, k_rope = attn.project_kv(x, positions)                              # [B,Cl],   [B,R]
-        cache = cache.write(slots, _pad_to(latent, LATENT_DIM), _pad_to(k_rope, ROPE_DIM))
+        cache = ops.write_cache(cache, slots, _pad_to(latent, LATENT_DIM), _pad_to(k_rope, ROPE_DIM))
         q_lat = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=jnp.float32,
                            precision=prec)                                          # [B,H,Cl]
         q = jnp.concatenate([_pad_to(q_lat, LATENT_DIM), _pad_to(q_rope.astype(jnp.float32), ROPE_DIM)],
                             axis=-1)                                                # [B,H,576]
         q = q[:, None].astype(decode_query_dtype(cache))                            # [B,1,H,576]
-        o_lat, _ = pallas_kernels.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,
-                                             causal=False, backend=backend, interpret=interpret)
+        o_lat, _ = ops.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,
+                                  causal=False, backend=backend, interpret=interpret)
         o_lat = o_lat[:, 0, :, : cfg.kv_lora_rank]                                  # [B,H,Cl]
         o = jnp.einsum("bhc,hvc->bhv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32,
                        precision=prec)                                              # [B,H,V]
         h = h + attn.output(o.astype(h.dtype))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + ops.mlp(layer.mlp, layer.post_attention_layernorm(h), decode=True)
         new_caches.append(cache)
-    return tuple(new_caches), model.logits(h)
+    return ops.caches(tuple(new_caches)), model.logits(h)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence, tokens: jax.Array,
                  positions: jax.Array, slots: jax.Array, block_table: jax.Array, prefix_lens: jax.Array,
-                 chunk_lens: jax.Array, *, all_logits: bool = False) -> tuple[tuple, jax.Array]:
+                 chunk_lens: jax.Array, *, all_logits: bool = False, plan=None) -> tuple[tuple, jax.Array]:
     """One chunked-prefill step for N sequences, each with a chunk of up to C tokens.
 
     tokens int32 [N, C], positions int32 [N, C] (= prefix_lens[n] + c), slots int32 [N, C] (-1 for padding tokens
@@ -106,8 +109,10 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
     Attention is non-absorbed: the cached prefix is read back (dequantized) and expanded through kv_b_proj, the
     chunk's own keys/values come from its fresh latents; each chunk token sees the prefix and the chunk tokens up
     to itself. The chunk's latents are written to the cache.
+    plan: a mla_jax.sharding.ShardingPlan to run over several devices (None: one); attention runs head-parallel.
     Returns (caches, logits float32 [N, vocab] of each row's last valid token), or [N, C, vocab] with all_logits.
     """
+    ops = sharding.ops(plan)
     model = nnx.merge(graphdef, weights.model)
     cfg: ModelConfig = model.cfg
     prec = matmul_precision(model.dtype)
@@ -131,9 +136,10 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         q_nope, q_rope = attn.project_q(x, positions)                               # [N,C,H,Nn], [N,C,H,R]
+        q_nope, q_rope = ops.heads(q_nope, -2), ops.heads(q_rope, -2)
         latent, k_rope = attn.project_kv(x, positions)                              # [N,C,Cl],   [N,C,R]
         if P:
-            pre_lat, pre_rope = read_pages(cache, block_table)                      # [N,P·ps,576 split]
+            pre_lat, pre_rope = ops.read_pages(read_pages, cache, block_table)    # [N,P·ps,576 split]
             pre_lat, pre_rope = pre_lat[..., : cfg.kv_lora_rank], pre_rope[..., : cfg.qk_rope_head_dim]
             # free / stale pages may hold anything (even NaN): zero what the mask will drop, so 0·NaN never occurs
             pre_lat = jnp.where(prefix_valid[..., None], pre_lat, 0).astype(latent.dtype)
@@ -142,9 +148,10 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
             all_rope = jnp.concatenate([pre_rope, k_rope], axis=1)
         else:
             all_lat, all_rope = latent, k_rope
-        cache = cache.write(slots.reshape(-1), _pad_to(latent.reshape(N * C, -1), LATENT_DIM),
-                            _pad_to(k_rope.reshape(N * C, -1), ROPE_DIM))
+        cache = ops.write_cache(cache, slots.reshape(-1), _pad_to(latent.reshape(N * C, -1), LATENT_DIM),
+                                _pad_to(k_rope.reshape(N * C, -1), ROPE_DIM))
         k_nope, v = attn.expand_kv(all_lat)                                          # [N,K,H,Nn], [N,K,H,V]
+        k_nope, v = ops.heads(k_nope, -2), ops.heads(v, -2)
         scores = (
             jnp.einsum("nqhd,nkhd->nhqk", q_nope, k_nope, preferred_element_type=jnp.float32, precision=prec)
             + jnp.einsum("nqhr,nkr->nhqk", q_rope, all_rope, preferred_element_type=jnp.float32, precision=prec)
@@ -155,13 +162,13 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
         o = jnp.einsum("nhqk,nkhv->nqhv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32,
                        precision=prec)
         h = h + attn.output(o.astype(h.dtype))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + ops.mlp(layer.mlp, layer.post_attention_layernorm(h), decode=False)
         new_caches.append(cache)
     if all_logits:
-        return tuple(new_caches), model.logits(h)
+        return ops.caches(tuple(new_caches)), model.logits(h)
     last = jnp.clip(chunk_lens - 1, 0, C - 1)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]              # [N, D]
-    return tuple(new_caches), model.logits(h_last)
+    return ops.caches(tuple(new_caches)), model.logits(h_last)
 
 
 # ---- cache access (format owned by pallas_kernels, DESIGN §5) ---------------------------------------------------

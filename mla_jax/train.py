@@ -4,8 +4,10 @@ Everything here is deterministic given the seed and the interpreter's standard l
   corpus     every .py file under sysconfig.get_paths()["stdlib"] (site-/dist-packages and caches skipped),
              walked in sorted order; files that are not UTF-8 are skipped and counted (the stdlib ships a few
              deliberately mis-encoded test files).
-  split      by FILE: a file is held out when sha256(f"{seed}:{relpath}") falls in the lowest `heldout_fraction`
-             of the hash range — stable per file, so another Python patch release moves no other file's side.
+  split      by FILE: sha256(f"{seed}:{relpath}") as a fraction of its range puts a file in test (the lowest
+             `heldout_fraction`), validation (the next `valid_fraction`) or train — stable per file, so another
+             Python patch release moves no other file's side. Validation picks the checkpoint (the step with the
+             best validation loss is kept); test is only scored, and is what eval_ppl reads.
   tokenizer  byte-level BPE trained by `tokenizers` on the training files only; special tokens <|bos|>,
              <|eos|>, <|pad|>. Each file becomes <|bos|> text <|eos|>; files are concatenated into one stream.
   batches    random windows of seq_len+1 tokens of the training stream, drawn on device from a fixed key.
@@ -102,21 +104,30 @@ def read_python_files(root: str, max_files: int | None = None) -> tuple[list[Sou
     return files, skipped
 
 
+def file_hash_fraction(relpath: str, seed: int) -> float:
+    """Where the file's hash falls in [0, 1): a stable per-file draw (its position in the list plays no part)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{relpath}".encode()).digest()[:8], "big") / 2**64
+
+
 def is_heldout(relpath: str, seed: int, fraction: float) -> bool:
-    """Stable per-file split: the file's hash, not its position in the list, decides."""
-    h = int.from_bytes(hashlib.sha256(f"{seed}:{relpath}".encode()).digest()[:8], "big")
-    return h < fraction * 2**64
+    """Test split: the lowest `fraction` of the hash range."""
+    return file_hash_fraction(relpath, seed) < fraction
 
 
-def split_files(files: list[SourceFile], seed: int, fraction: float) -> tuple[list[SourceFile], list[SourceFile]]:
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {fraction}")
-    train = [f for f in files if not is_heldout(f.relpath, seed, fraction)]
-    held = [f for f in files if is_heldout(f.relpath, seed, fraction)]
-    if not train or not held:
-        raise ValueError(f"split of {len(files)} files left {len(train)} for training and {len(held)} held out; "
-                         f"use more files or another heldout_fraction")
-    return train, held
+def split_files(files: list[SourceFile], seed: int, test_fraction: float, valid_fraction: float = 0.0):
+    """(train, valid, test) by file: test = hash in [0, test_fraction), valid = the next valid_fraction.
+    valid picks the checkpoint (best validation loss); test is only ever scored."""
+    if not 0.0 < test_fraction < 1.0 or not 0.0 <= valid_fraction < 1.0 - test_fraction:
+        raise ValueError(f"need 0 < test_fraction < 1 and 0 <= valid_fraction < 1 - test_fraction, got "
+                         f"{test_fraction}, {valid_fraction}")
+    train, valid, test = [], [], []
+    for f in files:
+        u = file_hash_fraction(f.relpath, seed)
+        (test if u < test_fraction else valid if u < test_fraction + valid_fraction else train).append(f)
+    if not train or not test or (valid_fraction and not valid):
+        raise ValueError(f"split of {len(files)} files left {len(train)} train / {len(valid)} validation / "
+                         f"{len(test)} test files; use more files or other fractions")
+    return train, valid, test
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,30 +497,44 @@ def save_hf_checkpoint(model, hf_config: dict, tok, out_dir: str, *, training_in
 # generation for a quick look (full forward, no cache: the engine is the real path)
 
 
-def greedy_continue(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None,
-                    window: int = 256) -> list[int]:
-    """Greedy decoding by re-running the full forward on a fixed-size window (one compile)."""
-    from flax import nnx
+class TextSampler:
+    """Greedy (temperature 0) or nucleus sampling by re-running the full forward on a fixed-size window: one
+    compile for every prompt and setting. For a quick look at the model during training; the engine is the real
+    generation path."""
 
-    graphdef, state = nnx.split(model)
+    def __init__(self, model, window: int = 256):
+        from flax import nnx
 
-    @jax.jit
-    def next_token(state, ids, length):
-        logits = nnx.merge(graphdef, state)(ids)
-        return jnp.argmax(logits[0, length - 1]).astype(jnp.int32)
+        graphdef, self.state = nnx.split(model)
+        self.window = window
 
-    ids = list(prompt_ids)
-    out = []
-    for _ in range(max_new_tokens):
-        ctx = ids[-window:]
-        buf = np.zeros((1, window), np.int32)
-        buf[0, :len(ctx)] = ctx
-        t = int(next_token(state, jnp.asarray(buf), len(ctx)))
-        ids.append(t)
-        out.append(t)
-        if eos_id is not None and t == eos_id:
-            break
-    return out
+        @jax.jit
+        def next_token(state, ids, length, key, temperature, top_p):
+            logits = nnx.merge(graphdef, state)(ids)[0, length - 1]
+            probs = jax.nn.softmax(logits / jnp.maximum(temperature, 1e-6))
+            order = jnp.argsort(-probs)
+            sorted_p = probs[order]
+            keep = jnp.cumsum(sorted_p) - sorted_p < top_p  # smallest prefix whose mass reaches top_p
+            pick = order[jax.random.categorical(key, jnp.where(keep, jnp.log(sorted_p), -jnp.inf))]
+            return jnp.where(temperature > 0, pick, jnp.argmax(logits)).astype(jnp.int32)
+
+        self._next_token = next_token
+
+    def continue_ids(self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+        ids, out = list(prompt_ids), []
+        key = jax.random.key(seed)
+        for i in range(max_new_tokens):
+            ctx = ids[-self.window:]
+            buf = np.zeros((1, self.window), np.int32)
+            buf[0, :len(ctx)] = ctx
+            t = int(self._next_token(self.state, jnp.asarray(buf), len(ctx), jax.random.fold_in(key, i),
+                                     jnp.float32(temperature), jnp.float32(top_p)))
+            ids.append(t)
+            out.append(t)
+            if eos_id is not None and t == eos_id:
+                break
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -522,19 +547,21 @@ class RunOptions:
     vocab_size: int = 4096
     model_overrides: dict = dataclasses.field(default_factory=dict)
     hp: TrainHParams = dataclasses.field(default_factory=TrainHParams)
-    heldout_fraction: float = 0.03
-    train_seconds: float | None = 210.0   # time budget for the training loop (calibrates the step count)
+    heldout_fraction: float = 0.03       # test files (scored only)
+    valid_fraction: float = 0.02         # validation files (pick the best step)
+    train_seconds: float | None = 180.0  # time budget for the training loop (calibrates the step count)
     steps: int | None = None              # exact step count (overrides train_seconds for the schedule)
     deadline_seconds: float | None = None  # stop training this long after the run started, whatever happens
     reserve_seconds: float = 45.0         # kept free before the deadline for the final eval and export
     log_every: int = 50
     eval_every: int = 250
-    eval_windows: int = 32                # held-out windows for the periodic check
-    final_eval_windows: int | None = None  # None: the whole held-out stream
+    eval_windows: int = 64                # validation windows for the periodic check
+    final_eval_windows: int | None = None  # None: the whole test stream
     eval_batch_size: int = 32
     corpus_root: str | None = None
+    corpus_label: str | None = None       # what corpus_root is, for training.json (e.g. a copied stdlib)
     max_files: int | None = None
-    sample_prompts: tuple[str, ...] = ("def fibonacci(n):\n", "import os\n\n\nclass ")
+    sample_prompts: tuple[str, ...] = ("def fibonacci(n):", "import os\n\n\nclass", "    def __repr__(self):")
     sample_tokens: int = 96
 
 
@@ -547,18 +574,20 @@ def run_training(opts: RunOptions, log: Callable[[str], None] = print) -> dict:
 
     root = opts.corpus_root or stdlib_root()
     files, skipped = read_python_files(root, opts.max_files)
-    train_files, held_files = split_files(files, hp.seed, opts.heldout_fraction)
+    train_files, valid_files, held_files = split_files(files, hp.seed, opts.heldout_fraction, opts.valid_fraction)
     log(f"corpus: {len(files)} files ({sum(len(f.text) for f in files) / 1e6:.1f} M chars) under {root} "
-        f"(Python {platform.python_version()}); {len(skipped)} non-UTF-8 skipped; "
-        f"{len(train_files)} train / {len(held_files)} held-out files")
+        f"(this is Python {platform.python_version()}); {len(skipped)} non-UTF-8 skipped; {len(train_files)} train "
+        f"/ {len(valid_files)} validation / {len(held_files)} test files")
 
     t0 = time.time()
     tok = train_tokenizer((f.text for f in train_files), opts.vocab_size)
     train_stream = token_stream(tok, train_files)
     held_stream = token_stream(tok, held_files)
+    valid_stream = token_stream(tok, valid_files) if valid_files else None
     train_bytes = sum(len(f.text.encode()) for f in train_files)
     log(f"tokenizer: vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s; train {len(train_stream):,} tokens "
-        f"({train_bytes / len(train_stream):.2f} bytes/token), held-out {len(held_stream):,} tokens")
+        f"({train_bytes / len(train_stream):.2f} bytes/token), validation "
+        f"{0 if valid_stream is None else len(valid_stream):,}, test {len(held_stream):,} tokens")
     if len(train_stream) < hp.seq_len + 2:
         raise ValueError(f"training stream of {len(train_stream)} tokens is shorter than one window")
 
@@ -566,16 +595,22 @@ def run_training(opts: RunOptions, log: Callable[[str], None] = print) -> dict:
                                pad_token_id=tok.token_to_id(PAD), **opts.model_overrides)
     cfg = ModelConfig.from_hf_dict(hf_config)
     counts = count_params(hf_config)
-    log(f"model: {json.dumps({k: hf_config[k] for k in ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', 'n_routed_experts', 'num_experts_per_tok', 'n_shared_experts', 'moe_intermediate_size', 'intermediate_size')})}")
+    dims = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+            "n_shared_experts", "moe_intermediate_size", "intermediate_size")
+    log(f"model: {json.dumps({k: hf_config[k] for k in dims})}")
     log(f"params: {counts['total'] / 1e6:.2f} M total ({counts['decoder_linears'] / 1e6:.2f} M in decoder linears, "
         f"{counts['embed_and_lm_head'] / 1e6:.2f} M embed+lm_head); devices {jax.devices()}")
 
     trainer = Trainer(cfg, hp)
     stream = jnp.asarray(train_stream)
     data_key = jax.random.key(hp.seed + 1)
-    check_windows = eval_windows(held_stream, hp.seq_len, opts.eval_windows)
+    check_windows = eval_windows(valid_stream if valid_stream is not None else held_stream, hp.seq_len,
+                                 opts.eval_windows)
+    check_name = "validation" if valid_stream is not None else "test"
 
     curve: list[dict] = []
+    best = {"loss": math.inf, "step": 0, "state": None}
     total_steps = opts.steps or 10**9
     calibrated = opts.steps is not None
     step = 0
@@ -598,7 +633,7 @@ def run_training(opts: RunOptions, log: Callable[[str], None] = print) -> dict:
             budget = opts.train_seconds - (time.time() - t_loop)
             if deadline is not None:
                 budget = min(budget, deadline - opts.reserve_seconds - time.time())
-            total_steps = max(step + 1, step + int(budget / per_step * 0.97))
+            total_steps = max(step + 1, step + int(budget / per_step * 0.95))
             calibrated = True
             log(f"calibrated: {per_step * 1e3:.1f} ms/step ({hp.batch_size * hp.seq_len / per_step:,.0f} tok/s) "
                 f"-> {total_steps} steps")
@@ -610,11 +645,14 @@ def run_training(opts: RunOptions, log: Callable[[str], None] = print) -> dict:
                      "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
                      "lr": float(ms[-1]["lr"]), "max_expert_load": float(np.max([m["max_load"] for m in ms]))}
             if step % opts.eval_every == 0 or step == total_steps:
-                entry["heldout_loss"] = trainer.eval_loss(check_windows, opts.eval_batch_size)
+                entry["valid_loss"] = trainer.eval_loss(check_windows, opts.eval_batch_size)
+                if entry["valid_loss"] < best["loss"]:
+                    best = {"loss": entry["valid_loss"], "step": step,
+                            "state": jax.tree.map(jnp.copy, (trainer.router, trainer.params, trainer.bias))}
             curve.append(entry)
             log("step {step:6d} {time_s:7.1f}s loss {loss:.4f} gnorm {grad_norm:.3f} lr {lr:.2e} max-load "
                 "{max_expert_load:.2f}".format(**entry)
-                + (f" held-out {entry['heldout_loss']:.4f}" if "heldout_loss" in entry else ""))
+                + (f" {check_name} {entry['valid_loss']:.4f}" if "valid_loss" in entry else ""))
         now = time.time()
         if opts.train_seconds is not None and not opts.steps and now - t_loop > opts.train_seconds * 1.1:
             stop_reason = "train_seconds"
@@ -628,36 +666,55 @@ def run_training(opts: RunOptions, log: Callable[[str], None] = print) -> dict:
 
     t0 = time.time()
     final_windows = eval_windows(held_stream, hp.seq_len, opts.final_eval_windows)
-    held_loss = trainer.eval_loss(final_windows, opts.eval_batch_size)
+    last_test_loss = trainer.eval_loss(final_windows, opts.eval_batch_size)
+    if best["state"] is not None and best["step"] != step:
+        trainer.router, trainer.params, trainer.bias = best["state"]
+        log(f"keeping step {best['step']} ({check_name} {best['loss']:.4f}); the last step {step} scored test "
+            f"{last_test_loss:.4f}")
+        held_loss = trainer.eval_loss(final_windows, opts.eval_batch_size)
+    else:
+        held_loss = last_test_loss
+    best.pop("state")
     held_tokens = final_windows.shape[0] * hp.seq_len
-    held_bytes_per_token = (sum(len(f.text.encode()) for f in held_files) + 0.0) / len(held_stream)
-    log(f"held-out: loss {held_loss:.4f} nats/token, ppl {math.exp(held_loss):.3f}, "
+    held_bytes_per_token = sum(len(f.text.encode()) for f in held_files) / len(held_stream)
+    log(f"test (held-out files): loss {held_loss:.4f} nats/token, ppl {math.exp(held_loss):.3f}, "
         f"{held_loss / math.log(2) / held_bytes_per_token:.3f} bits/byte over {held_tokens:,} tokens "
         f"({time.time() - t0:.1f}s)")
 
     model = trainer.model(jnp.dtype(hp.compute_dtype))
     samples = []
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    sampler = TextSampler(model)
     for prompt in opts.sample_prompts:
-        ids = [tok.token_to_id(BOS)] + tok.encode(prompt, add_special_tokens=False).ids
-        gen = greedy_continue(model, ids, opts.sample_tokens, eos_id=tok.token_to_id(EOS))
-        samples.append({"prompt": prompt, "greedy": tok.decode(gen)})
-        log(f"--- greedy sample for {prompt!r}:\n{prompt}{samples[-1]['greedy']}\n---")
+        ids = [bos] + tok.encode(prompt, add_special_tokens=False).ids
+        greedy = tok.decode(sampler.continue_ids(ids, opts.sample_tokens, eos_id=eos))
+        sampled = tok.decode(sampler.continue_ids(ids, opts.sample_tokens, temperature=0.8, top_p=0.95,
+                                                  seed=hp.seed, eos_id=eos))
+        samples.append({"prompt": prompt, "greedy": greedy, "sampled_t0.8_p0.95": sampled})
+        log(f"--- greedy, {prompt!r}:\n{prompt}{greedy}\n--- sampled (T=0.8, top-p 0.95):\n{prompt}{sampled}\n---")
 
     info = {
         "script": "scripts/train_tiny.py",
         "python": platform.python_version(), "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
-        "corpus": {"root": root, "files": len(files), "non_utf8_skipped": len(skipped),
-                   "train_files": len(train_files), "heldout_files": len(held_files),
-                   "train_tokens": int(len(train_stream)), "heldout_tokens": int(len(held_stream)),
-                   "heldout_fraction": opts.heldout_fraction, "max_files": opts.max_files},
+        "corpus": {"root": root, "label": opts.corpus_label or f"stdlib of Python {platform.python_version()}",
+                   "files": len(files), "non_utf8_skipped": len(skipped),
+                   "train_files": len(train_files), "validation_files": len(valid_files),
+                   "heldout_files": len(held_files), "train_tokens": int(len(train_stream)),
+                   "validation_tokens": 0 if valid_stream is None else int(len(valid_stream)),
+                   "heldout_tokens": int(len(held_stream)), "heldout_fraction": opts.heldout_fraction,
+                   "valid_fraction": opts.valid_fraction, "max_files": opts.max_files,
+                   "bytes_per_token": train_bytes / len(train_stream)},
         "heldout": [{"path": f.relpath, "sha256": f.sha256} for f in held_files],
+        "validation": [{"path": f.relpath, "sha256": f.sha256} for f in valid_files],
         "hparams": dataclasses.asdict(hp), "vocab_size": opts.vocab_size, "params": counts,
         "steps": step, "planned_steps": total_steps if calibrated else None, "stop_reason": stop_reason,
+        "kept_step": best["step"] or step, "kept_valid_loss": best["loss"] if best["step"] else None,
         "train_seconds": round(train_time, 1), "compile_seconds": round(t_compile or 0.0, 1),
         "tokens_seen": step * hp.batch_size * hp.seq_len,
         "final_train_loss": curve[-1]["loss"] if curve else None,
         "heldout_loss": held_loss, "heldout_ppl": math.exp(held_loss), "heldout_eval_tokens": int(held_tokens),
         "heldout_bits_per_byte": held_loss / math.log(2) / held_bytes_per_token,
+        "last_step_heldout_loss": last_test_loss,
         "curve": curve, "samples": samples,
         "bias_update": f"DeepSeek-V3 aux-loss-free rule, gamma={hp.bias_update_rate} per step",
     }

@@ -38,14 +38,16 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--train-seconds", type=float, default=210.0,
+    ap.add_argument("--train-seconds", type=float, default=180.0,
                     help="training-loop budget; the step count is fixed after timing the first steps")
     ap.add_argument("--steps", type=int, help="exact number of steps (overrides --train-seconds)")
     ap.add_argument("--deadline-seconds", type=float,
                     help="hard wall-clock limit from start: training stops early to leave time for eval + export")
-    ap.add_argument("--heldout-fraction", type=float, default=0.03)
+    ap.add_argument("--heldout-fraction", type=float, default=0.03, help="test files (scored only)")
+    ap.add_argument("--valid-fraction", type=float, default=0.02, help="validation files (pick the best step)")
     ap.add_argument("--max-files", type=int, help="use only the first N corpus files (smoke runs)")
     ap.add_argument("--corpus-root", help="directory of .py files (default: this interpreter's stdlib)")
+    ap.add_argument("--corpus-label", help="what --corpus-root is (recorded in training.json)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-batch-size", type=int, default=32)
@@ -63,7 +65,8 @@ def main(argv=None):
     hp = TrainHParams(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len, peak_lr=args.lr,
                       warmup_steps=args.warmup_steps, compute_dtype=args.compute_dtype)
     opts = RunOptions(out_dir=args.out, vocab_size=args.vocab_size, model_overrides=overrides, hp=hp,
-                      heldout_fraction=args.heldout_fraction, train_seconds=args.train_seconds, steps=args.steps,
+                      heldout_fraction=args.heldout_fraction, valid_fraction=args.valid_fraction,
+                      corpus_label=args.corpus_label, train_seconds=args.train_seconds, steps=args.steps,
                       deadline_seconds=args.deadline_seconds, log_every=args.log_every, eval_every=args.eval_every,
                       eval_windows=args.eval_windows, final_eval_windows=args.final_eval_windows,
                       eval_batch_size=args.eval_batch_size, corpus_root=args.corpus_root, max_files=args.max_files,

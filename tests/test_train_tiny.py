@@ -42,16 +42,20 @@ def toy():
 
 def test_split_is_per_file_and_stable():
     files = [SourceFile(f"pkg/m{i}.py", "x = 1\n") for i in range(400)]
-    train, held = split_files(files, seed=3, fraction=0.1)
-    assert len(train) + len(held) == 400 and {f.relpath for f in train}.isdisjoint(f.relpath for f in held)
-    assert 15 <= len(held) <= 70
+    train, valid, test = split_files(files, seed=3, test_fraction=0.1, valid_fraction=0.05)
+    names = [{f.relpath for f in part} for part in (train, valid, test)]
+    assert sum(map(len, names)) == 400 and not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])
+    assert 15 <= len(test) <= 70 and 5 <= len(valid) <= 40
+    assert all(is_heldout(f.relpath, 3, 0.1) for f in test) and not any(is_heldout(f.relpath, 3, 0.1) for f in valid)
     # A file's side depends only on its own path: dropping other files moves nothing.
-    train2, held2 = split_files(files[::2], seed=3, fraction=0.1)
-    assert {f.relpath for f in held2} == {f.relpath for f in held if f in files[::2]}
-    assert is_heldout("a.py", 0, 0.5) in (True, False)
-    assert {f.relpath for f in split_files(files, seed=4, fraction=0.1)[1]} != {f.relpath for f in held}
+    _, valid2, test2 = split_files(files[::2], seed=3, test_fraction=0.1, valid_fraction=0.05)
+    assert {f.relpath for f in test2} == names[2] & {f.relpath for f in files[::2]}
+    assert {f.relpath for f in valid2} == names[1] & {f.relpath for f in files[::2]}
+    assert {f.relpath for f in split_files(files, seed=4, test_fraction=0.1)[2]} != names[2]
     with pytest.raises(ValueError):
-        split_files(files, seed=0, fraction=0.0)
+        split_files(files, seed=0, test_fraction=0.0)
+    with pytest.raises(ValueError):
+        split_files(files, seed=0, test_fraction=0.5, valid_fraction=0.5)
 
 
 def test_stream_and_eval_windows(toy):
@@ -106,6 +110,8 @@ def test_steps_reduce_loss_and_balance_bias(toy):
     assert before == pytest.approx(np.log(300), abs=0.3)  # random init: about uniform over the vocabulary
     bias0 = np.asarray(jax.tree.leaves(trainer.bias)[0])
     assert np.all(bias0 == 0)
+    # A copy of the state (run_training keeps the best step this way) survives the donating steps below.
+    snapshot = jax.tree.map(jnp.copy, (trainer.router, trainer.params, trainer.bias))
     losses = []
     for step in range(25):
         m = trainer.step(stream, jax.random.key(7), step, 25)
@@ -122,6 +128,10 @@ def test_steps_reduce_loss_and_balance_bias(toy):
     # The bias is never touched by the optimizer: its moves are multiples of the update rate.
     bias = np.asarray(jax.tree.leaves(trainer.bias)[0])
     np.testing.assert_allclose(bias / hp.bias_update_rate, np.round(bias / hp.bias_update_rate), atol=1e-3)
+    trained = (trainer.router, trainer.params, trainer.bias)
+    trainer.router, trainer.params, trainer.bias = snapshot
+    assert trainer.eval_loss(windows, 4) == pytest.approx(before, rel=1e-6)
+    trainer.router, trainer.params, trainer.bias = trained
 
 
 def test_export_round_trip(toy, tmp_path):

@@ -96,8 +96,15 @@ def test_absorbed_mla_equals_plain_attention():
     model, cfg = mla_jax.load_model(fixture_path("real_dims"), dtype="float32")
     attn = model.layers[1].self_attn
     B, S = 2, 5
-    x = jax.random.normal(jax.random.key(0), (B, S, cfg.hidden_size), jnp.float32)
-    pos = jnp.broadcast_to(jnp.arange(S) + 3, (B, S))  # non-zero start positions
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((B, S, cfg.hidden_size), np.float32))
+    pos = jnp.asarray(np.broadcast_to(np.arange(S, dtype=np.int32) + 3, (B, S)))  # non-zero start positions
+    o, plain, w_uk, w_uv = nnx.jit(_absorbed_vs_plain, static_argnums=2)(attn, x, cfg, pos)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(plain), rtol=2e-5, atol=2e-5)
+    assert w_uk.shape == (cfg.num_attention_heads, 128, 512) and w_uv.shape == (cfg.num_attention_heads, 128, 512)
+
+
+def _absorbed_vs_plain(attn, x, cfg, pos):
+    S = x.shape[1]
     q_nope, q_rope = attn.project_q(x, pos)
     latent, k_rope = attn.project_kv(x, pos)
     w_uk, w_uv = attn.absorbed_weights()
@@ -108,38 +115,40 @@ def test_absorbed_mla_equals_plain_attention():
     s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
     o_lat = jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(s, -1), latent, precision=hp)
     o = attn.output(jnp.einsum("bqhc,hvc->bqhv", o_lat, w_uv, precision=hp))
-    np.testing.assert_allclose(np.asarray(o), np.asarray(attn(x, pos)), rtol=2e-5, atol=2e-5)
-    assert w_uk.shape == (cfg.num_attention_heads, 128, 512) and w_uv.shape == (cfg.num_attention_heads, 128, 512)
+    return o, attn(x, pos), w_uk, w_uv
 
 
 def test_experts_ragged_dot_equals_per_token_loop_and_dense():
     E, D, I, T, K = 6, 16, 8, 13, 3
-    ex = Experts(E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(1))
-    k1, k2 = jax.random.split(jax.random.key(2))
-    x = jax.random.normal(k1, (T, D), jnp.float32)
-    idx = jnp.argsort(jax.random.uniform(k2, (T, E)), -1)[:, :K].astype(jnp.int32)  # distinct experts per token
-    w = jax.random.uniform(k1, (T, K), jnp.float32)
+    rng = np.random.default_rng(0)
+    ex = nnx.eval_shape(lambda: Experts(E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(1)))
+    for p in ("w_gate", "w_up", "w_down"):
+        getattr(ex, p).set_value(jnp.asarray(rng.standard_normal(getattr(ex, p).shape, np.float32) / 3))
+    x = jnp.asarray(rng.standard_normal((T, D), np.float32))
+    idx = jnp.asarray(np.argsort(rng.random((T, E)), -1)[:, :K].astype(np.int32))  # distinct experts per token
+    w = jnp.asarray(rng.random((T, K), np.float32))
     wg, wu, wd = (np.asarray(ex.w_gate[...], np.float64), np.asarray(ex.w_up[...], np.float64),
                   np.asarray(ex.w_down[...], np.float64))
-    xn = np.asarray(x, np.float64)
+    xn, idn, wn = np.asarray(x, np.float64), np.asarray(idx), np.asarray(w, np.float64)
     ref = np.zeros((T, D))
     for t in range(T):  # fp64 loop over (token, choice)
         for k in range(K):
-            e = int(idx[t, k])
+            e = idn[t, k]
             g, u = xn[t] @ wg[e], xn[t] @ wu[e]
-            ref[t] += float(w[t, k]) * ((g / (1 + np.exp(-g)) * u) @ wd[e])
-    np.testing.assert_allclose(np.asarray(ex(x, idx, w)), ref, rtol=1e-5, atol=1e-5)
+            ref[t] += wn[t, k] * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+    call = nnx.jit(lambda m, a, i, ww: m(a, i, ww))
+    np.testing.assert_allclose(np.asarray(call(ex, x, idx, w)), ref, rtol=1e-5, atol=1e-5)
     ex.impl = "dense"
-    np.testing.assert_allclose(np.asarray(ex(x, idx, w)), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(call(ex, x, idx, w)), ref, rtol=1e-5, atol=1e-5)
     # The dense form composes with vmap (ragged_dot cannot be vmapped in jax 0.11).
     xb = jnp.stack([x, x[::-1]])
-    yb = jax.vmap(lambda a, i, ww: ex(a, i, ww))(xb, jnp.stack([idx, idx[::-1]]), jnp.stack([w, w[::-1]]))
+    yb = nnx.jit(lambda m, *a: jax.vmap(m)(*a))(ex, xb, jnp.stack([idx, idx[::-1]]), jnp.stack([w, w[::-1]]))
     np.testing.assert_allclose(np.asarray(yb[1]), ref[::-1], rtol=1e-5, atol=1e-5)
 
 
 def test_moe_layer_is_differentiable():
     model, cfg = mla_jax.load_model(fixture_path("v3_plain"), dtype="float32")
-    x = jax.random.normal(jax.random.key(0), (2, 3, cfg.hidden_size), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, cfg.hidden_size), np.float32))
     grads = nnx.jit(nnx.grad(lambda mlp: mlp(x).sum()))(model.layers[1].mlp)
     for g in (grads.experts.w_gate[...], grads.gate.kernel[...], grads.shared_experts.up_proj.kernel[...]):
         assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0

@@ -2,7 +2,11 @@
 
 `ModelConfig` is a frozen, hashable dataclass, so it can be a `jax.jit` static argument. Field names follow HF.
 Keys that change the math and that we do not implement raise `ValueError` naming the key; keys that only matter
-for training or bookkeeping are accepted and ignored (listed in `_IGNORED_KEYS`).
+for training or bookkeeping are accepted and ignored (listed in `_IGNORED_KEYS`); other unknown keys are logged.
+
+Where HF transformers hard-codes what DeepSeek's own code reads from the config, we read the config (identical
+for every published DeepSeek-V2/V3 checkpoint): `scoring_func`/`topk_method` for deepseek_v3 (HF: always sigmoid
++ noaux_tc), `norm_topk_prob` for deepseek_v2 (HF: never renormalises), `moe_layer_freq` (HF: ignored).
 """
 
 from __future__ import annotations

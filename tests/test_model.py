@@ -91,6 +91,14 @@ def test_param_map_covers_fixture_exactly():
         assert bool(mtp) == (name == "v3_yarn")  # the fixture that ships an MTP layer
 
 
+def test_loader_logs_skipped_mtp_tensors(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="mla_jax"):
+        mla_jax.load_model(fixture_path("v3_yarn"))
+    assert "skipped 5 tensors of 1 multi-token-prediction layer" in caplog.text
+
+
 def test_absorbed_mla_equals_plain_attention():
     """The engine's absorbed form (q_nope·W_UK against the latent, o = (P·latent)·W_UVᵀ) equals the forward."""
     model, cfg = mla_jax.load_model(fixture_path("real_dims"), dtype="float32")

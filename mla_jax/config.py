@@ -208,9 +208,9 @@ def _resolve_rope(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]
         raise _unsupported(src_key, rp, "per-layer-type RoPE parameters are not used by DeepSeek models")
     theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if d.get("partial_rotary_factor", 1.0) != 1.0 or rp.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported("partial_rotary_factor", d.get("partial_rotary_factor", rp.get("partial_rotary_factor")),
-                           "DeepSeek MLA rotates the whole qk_rope_head_dim")
+    for prf in (d.get("partial_rotary_factor"), rp.get("partial_rotary_factor")):
+        if prf is not None and float(prf) != 1.0:
+            raise _unsupported("partial_rotary_factor", prf, "DeepSeek MLA rotates the whole qk_rope_head_dim")
     if rope_type == "default":
         extra = set(rp) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
         if extra:

@@ -186,7 +186,7 @@ def add_mtp_tensors(out_dir: str, cfg: dict, n_mtp: int, gen: torch.Generator) -
     save_file(tensors, fn, metadata={"format": "pt"})
 
 
-def to_legacy_rope(out_dir: str, extra: dict) -> None:
+def to_legacy_rope(out_dir: str) -> None:
     """Rewrite config.json the way DeepSeek ships it: rope_scaling {type: yarn, ...} + top-level rope_theta."""
     fn = os.path.join(out_dir, "config.json")
     with open(fn) as f:
@@ -245,7 +245,7 @@ def make_one(name: str, spec: dict, out_root: str, seed: int) -> dict:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(c, f, indent=2, sort_keys=True)
     if spec["legacy_rope"]:
-        to_legacy_rope(out_dir, spec["extra_keys"])
+        to_legacy_rope(out_dir)
     if spec["mtp_layers"]:
         add_mtp_tensors(out_dir, spec["config"], spec["mtp_layers"], gen)
 

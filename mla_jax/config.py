@@ -224,10 +224,10 @@ def _resolve_rope(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]
         k = sorted(unknown)[0]
         raise _unsupported(f"{src_key}.{k}", rp[k], "unknown YaRN parameter")
     y: dict[str, Any] = {"rope_type": "yarn"}
-    # As HF standardize_rope_params: original_max_position_embeddings defaults to max_position_embeddings, and
-    # a missing factor is max_position_embeddings / original_max_position_embeddings.
+    # As HF standardize_rope_params: a top-level original_max_position_embeddings wins, else the rope dict's, else
+    # max_position_embeddings; a missing factor is max_position_embeddings / original_max_position_embeddings.
     max_pos = int(d.get("max_position_embeddings", 4096))
-    orig = int(rp.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos)
+    orig = int(d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_pos)
     y["original_max_position_embeddings"] = orig
     factor = rp.get("factor")
     y["factor"] = float(factor) if factor is not None else max_pos / orig

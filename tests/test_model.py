@@ -230,3 +230,18 @@ def test_sharded_index_with_missing_shard(tmp_path):
     os.remove(dst / shard)
     with pytest.raises(FileNotFoundError, match=shard):
         mla_jax.load_model(dst)
+
+
+def test_real_configs_build_abstractly_with_published_param_counts():
+    """DeepSeek-V3 (671B without its MTP layer) and V2-Lite (15.7B) built with nnx.eval_shape (no memory)."""
+    from test_config import V2_LITE_REAL, V3_REAL
+
+    from mla_jax.model.transformer import DeepseekV3
+
+    for d, billions in ((V3_REAL, 671.0), (V2_LITE_REAL, 15.7)):
+        cfg = mla_jax.ModelConfig.from_hf_dict(d)
+        model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        n = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(model)))
+        assert round(n / 1e9, 1) == billions
+        # The HF-name table covers exactly the model's parameters.
+        assert sum(int(np.prod(t.hf_shape)) for t in hf_param_map(cfg).values()) == n

@@ -117,6 +117,7 @@ def _always(t: Target) -> str | None:
 BACKENDS: dict[str, tuple[str, Callable[[Target], str | None]]] = {
     "xla": ("pallas_kernels.mla_decode.reference", _always),
     "triton": ("pallas_kernels.mla_decode.triton", cuda_cc_at_least(8, 0, interpret_anywhere=True)),
+    "mosaic_sm90": ("pallas_kernels.mla_decode.mosaic_sm90", cuda_cc_at_least(9, 0, interpret_anywhere=True)),
 }
 
 
@@ -368,7 +369,8 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     out, lse = batched_op(q_f, *cache_arrays, block_table, seq_lens)
     return (out.reshape(v, b, *out.shape[1:]), lse.reshape(v, b, *lse.shape[1:])), (True, True)
 
-  return batched_op
+  # jit: an eager call compiles once as a whole (inside an outer jit this inlines).
+  return jax.jit(batched_op)
 
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,

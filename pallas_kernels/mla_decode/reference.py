@@ -59,11 +59,13 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   return out.astype(q.dtype), lse
 
 
-def mla_decode_numpy(q, latent, rope, block_table, seq_lens, *, softmax_scale, causal, page_size):
+def mla_decode_numpy(q, latent, rope, block_table, seq_lens, *, softmax_scale, causal, page_size,
+                     return_abs=False):
   """float64 NumPy reference on a dequantized cache (latent [P, ps, 512], rope [P, ps, 64] as float arrays).
 
   Independent of JAX: loops over sequences and reads only the pages a sequence owns. Returns
-  (out f64 [B, Sq, H, 512], lse f64 [B, H, Sq]) with out 0 / lse +inf where a query sees no key.
+  (out f64 [B, Sq, H, 512], lse f64 [B, H, Sq]) with out 0 / lse +inf where a query sees no key; with
+  return_abs also sum_i p_i |v_i| / sum_i p_i per output element (the scale of rounding errors in P . V).
   """
   import numpy as np
   q = np.asarray(q, np.float64)
@@ -71,6 +73,7 @@ def mla_decode_numpy(q, latent, rope, block_table, seq_lens, *, softmax_scale, c
   block_table, seq_lens = np.asarray(block_table), np.asarray(seq_lens)
   b, sq, h, _ = q.shape
   out = np.zeros((b, sq, h, latent.shape[-1]))
+  out_abs = np.zeros_like(out)
   lse = np.full((b, h, sq), np.inf)
   for i in range(b):
     length = int(seq_lens[i])
@@ -88,5 +91,6 @@ def mla_decode_numpy(q, latent, rope, block_table, seq_lens, *, softmax_scale, c
       p = np.exp(scores - m)
       denom = p.sum(axis=-1, keepdims=True)
       out[i, s] = (p / denom) @ k_lat[:visible]
+      out_abs[i, s] = (p / denom) @ np.abs(k_lat[:visible])
       lse[i, :, s] = (m + np.log(denom))[:, 0]
-  return out, lse
+  return (out, lse, out_abs) if return_abs else (out, lse)

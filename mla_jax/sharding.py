@@ -437,16 +437,20 @@ class ShardingPlan:
         """Expert-parallel routed experts: Σ_k w[t,k]·expert_{idx[t,k]}(x[t]) with the experts split over devices.
 
         x [T, D], topk_idx / topk_w [T, K], replicated (every device sees every token: that is the dispatch).
-        Each device runs its own E/N experts on the pairs routed to them; pairs routed elsewhere go to its first
-        expert with weight 0 (the Experts call contract has no "no expert" index). Combine: a sum over devices in
-        fp32 — psum (result replicated) or, with scatter_rows, psum_scatter (device d keeps rows
-        [d·T/N, (d+1)·T/N), the decode row layout of data-parallel attention). Returns [T, D] in x.dtype."""
+        Each device runs its own E/N experts on the pairs routed to them. Pairs routed elsewhere get weight 0 and,
+        for AWQExperts, the out-of-range expert index E, which its tiling drops (no compute; checked by
+        tests/sharding_8dev_cases.py); other Experts modules get index 0, since their call contract has no
+        "no expert" index (a wasted row, still exact). Combine: a sum over devices in fp32 — psum (result
+        replicated) or, with scatter_rows, psum_scatter (device d keeps rows [d·T/N, (d+1)·T/N), the decode row
+        layout of data-parallel attention). Returns [T, D] in x.dtype."""
         if self.num_devices == 1:
             return experts_module(x, topk_idx, topk_w)
         from flax import nnx
         n = self.num_devices
         graphdef, state = nnx.split(experts_module)
         num_local = _leading_dim(state) // n
+        # AWQExperts sizes its tiling by its num_experts attribute (E, not E/N): an index >= E is dropped
+        elsewhere = experts_module.num_experts if _skips_out_of_range_experts(experts_module) else 0
         if scatter_rows and x.shape[0] % n:
             raise ValueError(f"{x.shape[0]} token rows do not split evenly over {n} devices (data-parallel "
                              "attention needs the decode batch padded to a multiple of the device count)")
@@ -454,7 +458,7 @@ class ShardingPlan:
         def body(state, x, topk_idx, topk_w):
             local = topk_idx - jax.lax.axis_index(AXIS) * num_local
             mine = (local >= 0) & (local < num_local)
-            y = nnx.merge(graphdef, state)(x, jnp.where(mine, local, 0), jnp.where(mine, topk_w, 0))
+            y = nnx.merge(graphdef, state)(x, jnp.where(mine, local, elsewhere), jnp.where(mine, topk_w, 0))
             # Sum partial outputs in fp32: a bf16 sum over devices would round N-1 more times than one device.
             y = y.astype(jnp.float32)
             if scatter_rows:
@@ -515,6 +519,16 @@ SINGLE_DEVICE = SingleDevice()
 def ops(plan: Optional[ShardingPlan]):
     """The plan, or the single-device pass-through when there is none."""
     return SINGLE_DEVICE if plan is None else plan
+
+
+def _skips_out_of_range_experts(module) -> bool:
+    """AWQExperts routes pairs through route_tiles, whose per-expert counts (bincount with length E) leave out an
+    index >= E: such pairs land in no tile and cost nothing."""
+    try:
+        from mla_jax.quant.awq import AWQExperts
+    except ImportError:
+        return False
+    return isinstance(module, AWQExperts)
 
 
 def _num_pages(cache) -> int:

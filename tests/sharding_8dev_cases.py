@@ -363,3 +363,20 @@ def test_llm_dp_attention_rejects_sizes_it_cannot_split():
         make_llm(tensor_parallel_size=8, data_parallel_attention=True, num_pages=32, max_num_seqs=4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=8"):
         make_llm(tensor_parallel_size=3)
+
+
+def test_awq_experts_skip_out_of_range_expert_indices():
+    """The expert-parallel island gives AWQExperts the index E for pairs of other devices: they must add nothing
+    (and land in no tile). Same result as the call without those pairs."""
+    from mla_jax.quant.awq import route_tiles
+    E, T = 4, 6
+    mod = experts_module("awq", E)
+    x = jax.random.normal(jax.random.key(21), (T, 32), jnp.float32)
+    idx = jnp.array([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], jnp.int32)
+    w = jax.random.uniform(jax.random.key(22), (T, 2), jnp.float32)
+    drop = jnp.array([[False, True], [True, True], [False, False], [True, False], [False, True], [False, False]])
+    got = mod(x, jnp.where(drop, E, idx), jnp.where(drop, 0.0, w))
+    want = mod(x, idx, jnp.where(drop, 0.0, w))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    *_, n_used = route_tiles(jnp.where(drop, E, idx), w, E, 2, 16)
+    assert int(n_used) == int((~drop).sum() // 2 + 2)          # 6 kept pairs over 4 experts, 2 rows a tile

@@ -153,6 +153,8 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="batch of the forward path")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="compute dtype of the model (the checkpoint's weights are loaded into it)")
     ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--corpus-root", help="where the held-out files live (default: this Python's stdlib)")
     ap.add_argument("--out", help="JSON output (default bench/results/eval_ppl_<platform>.json)")
@@ -182,7 +184,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
 
     for wname, wpath in weights_list:
-        model, cfg = mla_jax.load_model(wpath, dtype="bfloat16")
+        model, cfg = mla_jax.load_model(wpath, dtype=args.dtype)
         if "forward" in paths:
             t0 = time.time()
             add(wname, "-", "-", "forward", score_forward(model, windows, args.batch), time.time() - t0)
@@ -199,15 +201,19 @@ def main(argv=None):
                     add(wname, cache, backend, "decode", note=f"not run: {e}")
                     continue
                 t0 = time.time()
-                add(wname, cache, backend, "decode",
-                    score_decode(model, windows, cache, backend, args.interpret), time.time() - t0)
+                try:
+                    nll = score_decode(model, windows, cache, backend, args.interpret)
+                except Exception as e:  # a kernel that fails is reported in the table, the other rows still run
+                    add(wname, cache, backend, "decode", note=f"failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                add(wname, cache, backend, "decode", nll, time.time() - t0)
 
     # Relative change against the bf16 cache of the same weights/backend/path.
     base = {(r["weights"], r["backend"], r["path"]): r["ppl"] for r in rows
             if r["kv_cache_dtype"] == "bfloat16" and "ppl" in r}
     for r in rows:
         b = base.get((r["weights"], r["backend"], r["path"]))
-        if b and "ppl" in r:
+        if b and "ppl" in r and r["kv_cache_dtype"] != "bfloat16":
             r["ppl_vs_bf16_cache_pct"] = 100.0 * (r["ppl"] / b - 1.0)
 
     dev = jax.devices()[0]
@@ -215,7 +221,7 @@ def main(argv=None):
         "script": "scripts/eval_ppl.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"{dev.platform}:{dev.device_kind}", "jax": jax.__version__, "commit": _commit(),
         "models": dict(weights_list), "num_seqs": int(windows.shape[0]), "seq_len": int(windows.shape[1] - 1),
-        "chunk": args.chunk, "interpret": args.interpret, "heldout": {k: v for k, v in stats.items()
+        "chunk": args.chunk, "interpret": args.interpret, "dtype": args.dtype, "heldout": {k: v for k, v in stats.items()
                                                                    if k in ("listed", "matched", "root")},
         "rows": rows,
     }
@@ -226,14 +232,14 @@ def main(argv=None):
         json.dump(result, f, indent=2)
         f.write("\n")
 
-    print(f"\nheld-out perplexity, {result['num_seqs']} x {result['seq_len']} tokens, {result['device']}, "
+    print(f"\nheld-out perplexity, {result['num_seqs']} x {result['seq_len']} tokens, {args.dtype} compute, {result['device']}, "
           f"jax {result['jax']}, commit {result['commit']}, {result['date']}")
     print(f"{'weights':8} {'kv cache':10} {'backend':12} {'path':8} {'ppl':>9} {'vs bf16 cache':>14}")
     for r in rows:
         ppl = f"{r['ppl']:9.4f}" if "ppl" in r else f"{'-':>9}"
         rel = f"{r['ppl_vs_bf16_cache_pct']:+13.3f}%" if "ppl_vs_bf16_cache_pct" in r else f"{'':>14}"
         print(f"{r['weights']:8} {r['kv_cache_dtype']:10} {r['backend']:12} {r['path']:8} {ppl} {rel}"
-              + (f"  ({r['note']})" if "note" in r else ""))
+              + (f"  ({r['note'].split(';')[0]})" if "note" in r else ""))
     print(f"wrote {out}")
 
 

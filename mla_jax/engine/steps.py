@@ -80,17 +80,19 @@ def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence
         q_nope, q_rope = attn.project_q(x, positions)                               # [B,H,Nn], [B,H,R]
         latent, k_rope = attn.project_kv(x, positions)                              # [B,Cl],   [B,R]
         cache = ops.write_cache(cache, slots, _pad_to(latent, LATENT_DIM), _pad_to(k_rope, ROPE_DIM))
-        q_lat = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=jnp.float32,
+        # q_lat is rounded to the model dtype here and to the kernel's bf16 query next, so a model-dtype result
+        # loses nothing (and XLA:CPU has no batched bf16 x bf16 -> f32 dot for this layout).
+        qdt = decode_query_dtype(cache)
+        q_lat = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=h.dtype,
                            precision=prec)                                          # [B,H,Cl]
-        q = jnp.concatenate([_pad_to(q_lat, LATENT_DIM), _pad_to(q_rope.astype(jnp.float32), ROPE_DIM)],
-                            axis=-1)                                                # [B,H,576]
-        q = q[:, None].astype(decode_query_dtype(cache))                            # [B,1,H,576]
+        q = jnp.concatenate([_pad_to(q_lat.astype(qdt), LATENT_DIM), _pad_to(q_rope.astype(qdt), ROPE_DIM)],
+                            axis=-1)[:, None]                                       # [B,1,H,576]
         o_lat, _ = ops.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,
                                   causal=False, backend=backend, interpret=interpret)
         o_lat = o_lat[:, 0, :, : cfg.kv_lora_rank]                                  # [B,H,Cl]
-        o = jnp.einsum("bhc,hvc->bhv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32,
+        o = jnp.einsum("bhc,hvc->bhv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=h.dtype,
                        precision=prec)                                              # [B,H,V]
-        h = h + attn.output(o.astype(h.dtype))
+        h = h + attn.output(o)
         h = h + ops.mlp(layer.mlp, layer.post_attention_layernorm(h), decode=True)
         new_caches.append(cache)
     return ops.caches(tuple(new_caches)), model.logits(h)

@@ -60,7 +60,7 @@ def _dot_nn(a, b):
 
 
 def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_ref, rope_ref, *rest,
-                   fp8: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
+                   fp8: bool, native_fp8: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
                    block_n: int, page_size: int, num_pages: int, max_pages: int, num_splits: int):
   if fp8:
     scale_ref, o_ref, lse_ref = rest
@@ -99,11 +99,18 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
     s = _dot_nt(q_rope, k_rope)                                                   # [block_r, block_n]
     ks, tile_scales = [], []
     for t in range(_N_TILES):
-      k = pltriton.load(latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)], mask=in_seq[:, None],
-                        other=0)
+      tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
+      if native_fp8:
+        # the hardware e4m3 conversion (sm89+), kept as a diagnostic of what the integer decode costs; the
+        # lowering cannot fill masked fp8 lanes with a constant, so select after converting
+        k = jnp.where(in_seq[:, None], pltriton.load(tile, mask=in_seq[:, None]).astype(jnp.bfloat16), 0)
+      else:
+        k = pltriton.load(tile, mask=in_seq[:, None], other=0)
       if fp8:
-        k = _e4m3_bits_to_bf16(k)
-        sc = pltriton.load(scale_ref.at[page, slots, jnp.int32(t)], mask=in_seq, other=0.0) * _F16_FROM_E4M3
+        k = k if native_fp8 else _e4m3_bits_to_bf16(k)
+        sc = pltriton.load(scale_ref.at[page, slots, jnp.int32(t)], mask=in_seq, other=0.0)
+        if not native_fp8:
+          sc = sc * _F16_FROM_E4M3
         s = s + _dot_nt(q_tiles[t], k) * sc[None, :]
         tile_scales.append(sc)
       else:
@@ -155,7 +162,8 @@ def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, int
   # Split each sequence's pages so that about two programs per SM are in flight, but keep >= 4 chunks a split.
   want = pl.cdiv(2 * _sm_count(interpret), batch * row_blocks)
   num_splits = max(1, min(want, pl.cdiv(max_chunks, 4)))
-  return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
+  return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2,
+              fp8_decode="int")
 
 
 def check_supported(q: jax.Array, cache: MLAKVCache) -> None:
@@ -195,6 +203,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"block_n must be a power of two >= 16 dividing page_size {cache.page_size}, got {block_n}")
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if cfg["fp8_decode"] not in ("int", "native"):
+    raise ValueError(f"fp8_decode must be 'int' (integer bit decode, any GPU) or 'native' (sm89+), "
+                     f"got {cfg['fp8_decode']!r}")
+  native_fp8 = cfg["fp8_decode"] == "native"
 
   padded = pl.cdiv(rows, block_r) * block_r
   q_rows = q.reshape(b, rows, LATENT_DIM + ROPE_DIM)
@@ -203,7 +215,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_lat, q_rope = q_rows[..., :LATENT_DIM], q_rows[..., LATENT_DIM:]
 
   fp8 = cache.dtype == "fp8_e4m3"
-  latent = lax.bitcast_convert_type(cache.latent, jnp.int8) if fp8 else cache.latent
+  latent = lax.bitcast_convert_type(cache.latent, jnp.int8) if fp8 and not native_fp8 else cache.latent
   operands = [block_table, seq_lens, q_lat, q_rope, latent, cache.rope] + ([cache.scale] if fp8 else [])
 
   def whole(x):
@@ -219,7 +231,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   out_shape = [jax.ShapeDtypeStruct((b, num_splits, padded, LATENT_DIM), jnp.float32),
                jax.ShapeDtypeStruct((b, num_splits, padded), jnp.float32)]
   kernel = functools.partial(
-      _decode_kernel, fp8=fp8, num_heads=h, q_len=sq, causal=bool(causal),
+      _decode_kernel, fp8=fp8, native_fp8=native_fp8, num_heads=h, q_len=sq, causal=bool(causal),
       scale_log2=float(softmax_scale) * _LOG2E, block_r=block_r, block_n=block_n, page_size=cache.page_size,
       num_pages=cache.num_pages, max_pages=max_pages, num_splits=num_splits)
   with warnings.catch_warnings():

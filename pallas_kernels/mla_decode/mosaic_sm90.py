@@ -62,20 +62,21 @@ class Plan:
   num_parts: int       # KV shares per head group (the split-KV width)
   num_stages: int      # page ring depth
   fp8: bool
+  split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
 
   @property
   def smem_bytes(self) -> int:
-    return _smem_bytes(self.n, self.num_stages, self.fp8)
+    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p)
 
 
-def _smem_bytes(n: int, stages: int, fp8: bool) -> int:
+def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8:
     ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
   exchange = 2 * PAGE * n * 4
-  p = 2 * n * PAGE * 2
+  p = 2 * n * PAGE * 2 * (2 if split_p else 1)
   return q + ring + exchange + p + 1024
 
 
@@ -90,8 +91,15 @@ def _num_sms() -> int:
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None) -> Plan:
-  """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4)."""
+              rows_per_cta: int | None = None, split_p: bool | None = None) -> Plan:
+  """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
+
+  split_p defaults to True for a bf16 cache: a bf16 P alone (FlashMLA's choice) misses DESIGN §6's out tolerance
+  on elements near 0 when |V| is large. An fp8 cache computes P.V in f16 (2^-11), which meets it.
+  """
+  split_p = (not fp8) if split_p is None else bool(split_p)
+  if split_p and fp8:
+    raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
   max_n = rows_per_cta or 32
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
@@ -100,11 +108,12 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   if num_stages is None:
-    num_stages = max((s for s in range(1, 5) if _smem_bytes(n, s, fp8) <= SMEM_BUDGET), default=0)
-  if num_stages < 1 or _smem_bytes(n, num_stages, fp8) > SMEM_BUDGET:
+    num_stages = max((s for s in range(1, 5) if _smem_bytes(n, s, fp8, split_p) <= SMEM_BUDGET), default=0)
+  if num_stages < 1 or _smem_bytes(n, num_stages, fp8, split_p) > SMEM_BUDGET:
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need "
-                     f"{_smem_bytes(n, max(num_stages, 1), fp8)} bytes of SMEM, over {SMEM_BUDGET}")
-  return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8)
+                     f"{_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, over {SMEM_BUDGET}")
+  return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
+              split_p=split_p)
 
 
 # ---- device-side split-KV schedule -----------------------------------------------------------------------
@@ -160,7 +169,9 @@ def _combine(o_part, lse2_part, sched, batch: int):
 
 # ---- the kernel ------------------------------------------------------------------------------------------
 def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float,
-                interpret: bool):
+                interpret: bool, ablate: frozenset = frozenset()):
+  """ablate (timing experiments only, results are wrong): 'stream' = compute warpgroups only wait for and
+  release pages; 'nodequant' = fp8 pages are not dequantized (stale f16 tile); 'noswap' = no score swap."""
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
@@ -278,8 +289,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             slot = lax.rem(c, stages)
             n_valid = length - j * PAGE
             plgpu.barrier_wait(loaded.at[slot])
+            if "stream" in ablate:
+              plgpu.barrier_arrive(consumed.at[slot])
+              return carry
             if fp8:
-              dequant(slot, n_valid)
+              if "nodequant" not in ablate:
+                dequant(slot, n_valid)
               tile = kbuf.at[w]
             else:
               zero_tail(slot, n_valid)
@@ -299,16 +314,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               plgpu.barrier_arrive(consumed.at[slot])            # latent dequantized, rope read: slot free
 
             # swap partial scores with the other warpgroup (sx[w] is rewritten only after both read it)
-            @pl.when(c > 0)
-            def _():
-              plgpu.barrier_wait(xread)
+            if "noswap" in ablate:
+              s = s_mine
+            else:
+              @pl.when(c > 0)
+              def _():
+                plgpu.barrier_wait(xread)
 
-            sx[w] = s_mine
-            plgpu.barrier_arrive(xbar)
-            plgpu.barrier_wait(xbar)
-            s_other = sx[1 - w]
-            plgpu.barrier_arrive(xread)
-            s = (s_mine + s_other) if w == 0 else (s_other + s_mine)   # identical bits in both warpgroups
+              sx[w] = s_mine
+              plgpu.barrier_arrive(xbar)
+              plgpu.barrier_wait(xbar)
+              s_other = sx[1 - w]
+              plgpu.barrier_arrive(xread)
+              s = (s_mine + s_other) if w == 0 else (s_other + s_mine)   # identical bits in both warpgroups
 
             # online softmax over the 64 keys (axis 0) of each query row (axis 1), log2 domain
             s = s * scale_log2
@@ -318,13 +336,17 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
             l_i = l_i * alpha + p.sum(axis=0)
-            pbuf.at[w].T[...] = p.astype(dt)
+            p_hi = p.astype(dt)
+            pbuf.at[w, 0].T[...] = p_hi
+            if plan.split_p:
+              pbuf.at[w, 1].T[...] = (p - p_hi.astype(jnp.float32)).astype(dt)
             plgpu.commit_smem()
 
             def pv(acc_ref):
               for i, cc in enumerate(chunks):
-                plgpu.wgmma(acc_ref.at[pl.ds(i * CHUNK, CHUNK)], tile.at[:, pl.ds(cc * CHUNK, CHUNK)].T,
-                            pbuf.at[w].T)
+                for k in range(2 if plan.split_p else 1):
+                  plgpu.wgmma(acc_ref.at[pl.ds(i * CHUNK, CHUNK)], tile.at[:, pl.ds(cc * CHUNK, CHUNK)].T,
+                              pbuf.at[w, k].T)
               plgpu.wgmma_wait(0)
               return acc_ref[...]
 
@@ -350,9 +372,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
 
-      @pl.when(done > 0)
-      def _():
-        plgpu.barrier_wait(xread)          # the last swap's read-release, so no phase is left pending
+      if not ablate & {"stream", "noswap"}:
+        @pl.when(done > 0)
+        def _():
+          plgpu.barrier_wait(xread)          # the last swap's read-release, so no phase is left pending
 
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))
@@ -376,7 +399,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     ]
   scratch += [
       plgpu.SMEM((2, PAGE, n), jnp.float32),                                        # sx
-      plgpu.SMEM((2, n, PAGE), dt, transforms=_SWZ16),                              # pbuf
+      plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=_SWZ16),    # pbuf [wg, hi|lo]
       plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),             # loaded
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),                           # consumed
       plgpu.Barrier(num_arrivals=2),                                                # xbar
@@ -394,7 +417,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
-               num_stages: int | None = None, rows_per_cta: int | None = None) -> tuple[jax.Array, jax.Array]:
+               num_stages: int | None = None, rows_per_cta: int | None = None, split_p: bool | None = None,
+               _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta override the plan (tests and tuning); None picks them.
@@ -407,7 +431,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
-  plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta)
+  plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
+                   split_p=split_p)
   rows_padded = plan.n * plan.groups
   qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
   if rows_padded != plan.rows:
@@ -419,7 +444,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   table = jnp.clip(block_table, 0, cache.num_pages - 1)
   cu, sched = schedule((lens + PAGE - 1) // PAGE, plan.num_parts)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
-                     interpret=interpret)
+                     interpret=interpret, ablate=frozenset(_ablate))
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, table, lens, cu, sched)
   out, lse = _combine(o_part, lse2_part, sched, batch)                  # [B, G, 512, N], [B, G, N]

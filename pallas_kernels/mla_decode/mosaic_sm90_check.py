@@ -1,0 +1,121 @@
+"""Helpers for checking and timing the mosaic_sm90 backend on a GPU (scripts/check_mla_gpu.py) and in tests.
+
+random_problem builds a problem on the device (large shapes are cheap): a cache whose free pages, tail slots and
+unused block-table targets are all NaN, a shuffled block table and a random q. compare() applies DESIGN §6's
+tolerances. time_call() times a jitted call with CUPTI (per-kernel times), falling back to wall clock.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mla_decode.cache import MLAKVCache, quantize_fp8
+
+PAGE = 64
+
+
+def random_problem(seed: int, *, lens, sq: int, heads: int, dtype: str, extra_pages: int = 3):
+  """(q bf16 [B,Sq,H,576], cache, block_table int32 [B, max_pages], seq_lens int32 [B]) on the default device.
+
+  Only the slots of `lens` hold data; every other slot of the pool is NaN (latent, rope and fp8 scale), and each
+  row's table entries past its pages point at NaN pages. Tiles and tokens get different magnitudes so a scale
+  applied to the wrong tile or token shows up.
+  """
+  lens = np.asarray(lens, np.int32)
+  rng = np.random.default_rng(seed)
+  b = len(lens)
+  pages_per_seq = -(-lens // PAGE)
+  max_pages = int(max(1, pages_per_seq.max() + 1))
+  used_total = int(pages_per_seq.sum())
+  num_pages = used_total + extra_pages
+  perm = rng.permutation(num_pages).astype(np.int32)
+  used, free = perm[:used_total], perm[used_total:]
+  table = np.empty((b, max_pages), np.int32)
+  slot_ok = np.zeros((num_pages, PAGE), bool)
+  start = 0
+  for i, (n, k) in enumerate(zip(lens, pages_per_seq)):
+    table[i, :k] = used[start:start + k]
+    table[i, k:] = rng.choice(free, max_pages - k)
+    start += k
+    for j in range(k):
+      slot_ok[table[i, j], :min(PAGE, n - j * PAGE)] = True
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+  tile_mag = jnp.repeat(jnp.array([0.5, 1.0, 2.0, 0.25], jnp.float32), 128)
+  tok_mag = jax.random.choice(k4, jnp.array([0.5, 1.0, 1.5], jnp.float32), (num_pages, PAGE, 1))
+  latent = jax.random.normal(k1, (num_pages, PAGE, 512), jnp.float32) * tile_mag * tok_mag
+  rope = jax.random.normal(k2, (num_pages, PAGE, 64), jnp.float32)
+  ok = jnp.asarray(slot_ok)[..., None]
+  nan = jnp.float32(jnp.nan)
+  rope = jnp.where(ok, rope, nan).astype(jnp.bfloat16)
+  if dtype == "fp8_e4m3":
+    values, scale = quantize_fp8(latent)
+    values = jnp.where(ok, values.astype(jnp.float32), nan).astype(jnp.float8_e4m3fn)
+    cache = MLAKVCache(latent=values, rope=rope, scale=jnp.where(ok, scale, nan), page_size=PAGE)
+  elif dtype == "bfloat16":
+    cache = MLAKVCache(latent=jnp.where(ok, latent, nan).astype(jnp.bfloat16), rope=rope, scale=None,
+                       page_size=PAGE)
+  else:
+    raise ValueError(f"dtype must be 'bfloat16' or 'fp8_e4m3', got {dtype!r}")
+  q = jax.random.normal(k3, (b, sq, heads, 576), jnp.float32).astype(jnp.bfloat16)
+  return q, cache, jnp.asarray(table), jnp.asarray(lens)
+
+
+def compare(out, lse, ref_out, ref_lse) -> dict:
+  """DESIGN §6 tolerances against a reference: out |d| <= 1e-3 + 2/128 |ref| and cosine diff < 5e-6;
+  lse |d| <= 1e-6 + 8/65536 |ref| where finite, and +inf exactly where the reference has +inf."""
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  ref_out = np.asarray(jnp.asarray(ref_out, jnp.float32), np.float64)
+  lse, ref_lse = np.asarray(lse, np.float64), np.asarray(ref_lse, np.float64)
+  d = np.abs(out - ref_out)
+  x, y = out.ravel(), ref_out.ravel()
+  denom = (x * x + y * y).sum()
+  cos_diff = float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+  fin = np.isfinite(ref_lse)
+  lse_d = np.abs(lse[fin] - ref_lse[fin]) if fin.any() else np.zeros(1)
+  res = dict(
+      out_nan=int(np.isnan(out).sum()), out_max_abs_err=float(np.nanmax(d)) if d.size else 0.0,
+      out_tol_violations=int((~(d <= 1e-3 + 2 / 128 * np.abs(ref_out))).sum()), cos_diff=cos_diff,
+      lse_nan=int(np.isnan(lse).sum()), lse_max_abs_err=float(lse_d.max()),
+      lse_tol_violations=int((~(lse_d <= 1e-6 + 8 / 65536 * np.abs(ref_lse[fin]))).sum()) if fin.any() else 0,
+      lse_inf_match=bool(np.array_equal(np.isposinf(lse), np.isposinf(ref_lse))))
+  res["ok"] = (res["out_nan"] == 0 and res["out_tol_violations"] == 0 and cos_diff < 5e-6 and res["lse_nan"] == 0
+               and res["lse_tol_violations"] == 0 and res["lse_inf_match"])
+  return res
+
+
+def time_call(fn, *args, iters: int = 20) -> dict:
+  """Median device time of fn(*args) (already jitted and warmed up by the caller or here).
+
+  CUPTI (jax.experimental.mosaic.gpu.profiler.measure) gives per-kernel times: 'us' is the median total over
+  iterations, 'kernels' the median of each kernel. Without CUPTI: wall clock over `iters` back-to-back calls.
+  """
+  jax.block_until_ready(fn(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    if not runs:
+      raise RuntimeError("no kernels recorded")
+    totals = [sum(t for _, t in run) for run in runs]
+    names = [name for name, _ in runs[0]]
+    per_kernel = {}
+    for i, name in enumerate(names):
+      per_kernel[f"{i}:{name[:60]}"] = statistics.median(run[i][1] for run in runs if len(run) == len(names)) * 1e3
+    return dict(us=statistics.median(totals) * 1e3, method="cupti", kernels=per_kernel)
+  except Exception as e:  # noqa: BLE001 - CUPTI unavailable: fall back to the wall clock
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    return dict(us=(time.perf_counter() - t0) / iters * 1e6, method=f"wallclock ({type(e).__name__}: {e})"[:200])
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> dict:
+  """Device copy ceiling: bytes read + written per second of y = x + 1 on a uint8 buffer of nbytes."""
+  x = jnp.zeros((nbytes,), jnp.uint8)
+  f = jax.jit(lambda a: a + jnp.uint8(1))
+  t = time_call(f, x, iters=iters)
+  return dict(bytes=2 * nbytes, us=t["us"], tb_per_s=2 * nbytes / (t["us"] * 1e-6) / 1e12, method=t["method"])

@@ -1,0 +1,188 @@
+"""GPU check of the mosaic_sm90 MLA decode backend against the xla backend, plus timing of kernel variants.
+
+Correctness: random shapes (ragged lengths, zero-length sequences, Sq=2 causal, H in {1,16,20,64,128}, bf16 and
+fp8 caches; every unused slot NaN) through pallas_kernels.mla_decode(backend="mosaic_sm90") vs backend="xla",
+with DESIGN §6's tolerances. Timing (--timing): b128 L4096 shapes and ablations (see mosaic_sm90._build_call),
+CUPTI per-kernel times. Prints a table last and writes JSON (device, jax version, commit).
+
+  python scripts/check_mla_gpu.py --out bench/results/mla_mosaic_check.json [--timing] [--commit SHA]
+  python scripts/check_mla_gpu.py --interpret --cases tiny      # CPU self-test of this script (slow, tiny)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from pallas_kernels.mla_decode import api, mosaic_sm90
+from pallas_kernels.mla_decode import mosaic_sm90_check as chk
+from pallas_kernels.mla_decode import reference
+
+SCALE = 192 ** -0.5
+
+
+def correctness_cases(kind: str):
+  """(name, dtype, heads, sq, lens) cases; lens drawn from a fixed seed so runs are comparable."""
+  rng = np.random.default_rng(1234)
+  if kind == "tiny":
+    return [("bf16 h16 ragged+0", "bfloat16", 16, 1, [70, 0, 5]),
+            ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 130, 64])]
+  ragged = lambda b, hi: [int(x) for x in rng.integers(0, hi + 1, b)]
+  return [
+      ("bf16 h16 ragged+0", "bfloat16", 16, 1, [0] + ragged(6, 700)),
+      ("fp8 h16 ragged+0", "fp8_e4m3", 16, 1, [0] + ragged(6, 700)),
+      ("fp8 h128 ragged", "fp8_e4m3", 128, 1, ragged(4, 1000)),
+      ("bf16 h128 sq2 causal", "bfloat16", 128, 2, [1, 2] + ragged(3, 600)),
+      ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 0] + ragged(4, 500)),
+      ("bf16 h1 ragged", "bfloat16", 1, 1, ragged(5, 300)),
+      ("fp8 h64 sq2 causal", "fp8_e4m3", 64, 2, ragged(5, 900)),
+      ("fp8 h16 b64 many seqs/part", "fp8_e4m3", 16, 1, ragged(64, 2000)),
+      ("bf16 h16 sq2 noncausal", "bfloat16", 16, 2, ragged(4, 400)),
+      ("fp8 h128 b2 L8192", "fp8_e4m3", 128, 1, [8192, 8000]),
+  ]
+
+
+def run_correctness(kind: str, interpret: bool):
+  rows = []
+  for name, dtype, heads, sq, lens in correctness_cases(kind):
+    causal = name.endswith(" causal")
+    q, cache, table, lens_a = chk.random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
+
+    def call(backend):
+      if interpret and backend == "mosaic_sm90":
+        # GPU interpret mode's ordered callbacks cannot pass the public op's custom_partitioning: call the
+        # backend module and the op's output contract directly (the same steps, unsharded).
+        def f(q, c, t, l):
+          out, lse = mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=causal, interpret=True)
+          return api.apply_output_contract(out, lse, c, t, l)
+        return jax.jit(f)(q, cache, table, lens_a)
+      return jax.jit(lambda q, c, t, l: pallas_kernels.mla_decode(
+          q, c, t, l, softmax_scale=SCALE, causal=causal, backend=backend))(q, cache, table, lens_a)
+
+    t0 = time.perf_counter()
+    out, lse = jax.block_until_ready(call("mosaic_sm90"))
+    t_first = time.perf_counter() - t0
+    ref_out, ref_lse = call("xla")
+    res = chk.compare(out, lse, ref_out, ref_lse)
+    rows.append(dict(case=name, dtype=dtype, heads=heads, sq=sq, batch=len(lens), max_len=max(lens),
+                     first_call_s=round(t_first, 2), **res))
+    print(f"[check] {name}: ok={res['ok']} out_err={res['out_max_abs_err']:.2e} cos={res['cos_diff']:.1e} "
+          f"lse_err={res['lse_max_abs_err']:.1e}", flush=True)
+  return rows
+
+
+def timing_variants():
+  """(name, dtype, heads, sq, batch, L, ragged, backend, kwargs for mosaic_sm90.mla_decode)."""
+  v = []
+  for dtype in ("fp8_e4m3", "bfloat16"):
+    for heads in (16, 128):
+      v.append((f"{dtype} h{heads}", dtype, heads, 1, 128, 4096, False, "mosaic_sm90", {}))
+  v += [
+      ("fp8_e4m3 h16 ragged[1,2L]", "fp8_e4m3", 16, 1, 128, 4096, True, "mosaic_sm90", {}),
+      ("fp8_e4m3 h16 stages=2", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90", dict(num_stages=2)),
+      ("fp8_e4m3 h16 ablate stream", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+       dict(_ablate=frozenset({"stream"}))),
+      ("fp8_e4m3 h16 ablate nodequant", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+       dict(_ablate=frozenset({"nodequant"}))),
+      ("fp8_e4m3 h16 ablate noswap", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+       dict(_ablate=frozenset({"noswap"}))),
+      ("fp8_e4m3 h128 ablate stream", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(_ablate=frozenset({"stream"}))),
+      ("fp8_e4m3 h16 xla", "fp8_e4m3", 16, 1, 128, 4096, False, "xla", {}),
+  ]
+  return v
+
+
+def run_timing(iters: int, only: str | None):
+  rows = []
+  copy = chk.copy_bandwidth()
+  print(f"[time] copy ceiling {copy['tb_per_s']:.3f} TB/s ({copy['method']})", flush=True)
+  problems = {}
+  for name, dtype, heads, sq, batch, length, ragged, backend, kw in timing_variants():
+    if only and only not in name:
+      continue
+    rng = np.random.default_rng(7)
+    lens = (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
+    key = (dtype, heads, sq, batch, length, ragged)
+    if key not in problems:
+      problems.clear()
+      problems[key] = chk.random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
+    q, cache, table, lens_a = problems[key]
+    if backend == "mosaic_sm90":
+      fn = jax.jit(lambda q, c, t, l, kw=kw: mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE,
+                                                                     causal=False, **kw))
+    else:
+      fn = jax.jit(lambda q, c, t, l: reference.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=False))
+    try:
+      t = chk.time_call(fn, q, cache, table, lens_a, iters=iters)
+    except Exception as e:  # noqa: BLE001 - record and go on to the next variant
+      print(f"[time] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      rows.append(dict(variant=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+      continue
+    tokens = int(np.sum(lens))
+    nbytes = tokens * (656 if dtype == "fp8_e4m3" else 1152)
+    flops = 2 * tokens * sq * heads * (576 + 512)
+    kernel_us = max(t.get("kernels", {"": t["us"]}).values())
+    row = dict(variant=name, dtype=dtype, heads=heads, sq=sq, batch=batch, L=length, ragged=ragged,
+               tokens=tokens, us=t["us"], main_kernel_us=kernel_us, tb_per_s=nbytes / t["us"] / 1e6,
+               tflop_per_s=flops / t["us"] / 1e6, pct_copy=100 * nbytes / t["us"] / 1e6 / copy["tb_per_s"],
+               method=t["method"], kernels=t.get("kernels"))
+    rows.append(row)
+    print(f"[time] {name}: {t['us']:.1f} us (main kernel {kernel_us:.1f}) {row['tb_per_s']:.2f} TB/s "
+          f"{row['tflop_per_s']:.0f} TFLOP/s  kernels={t.get('kernels')}", flush=True)
+  return copy, rows
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+  except Exception:  # noqa: BLE001 - no git on the device machine: the caller passes --commit
+    return "unknown"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="bench/results/mla_mosaic_check.json")
+  ap.add_argument("--cases", default="full", choices=["full", "tiny", "none"])
+  ap.add_argument("--timing", action="store_true")
+  ap.add_argument("--only", default=None, help="time only variants whose name contains this")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
+  ap.add_argument("--commit", default=None)
+  args = ap.parse_args()
+  dev = jax.devices()[0]
+  info = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
+              commit=args.commit or git_commit(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+  print(f"[info] {info}", flush=True)
+  checks = run_correctness(args.cases, args.interpret) if args.cases != "none" else []
+  copy, timings = run_timing(args.iters, args.only) if args.timing else (None, [])
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(dict(info=info, checks=checks, copy=copy, timings=timings), f, indent=1)
+  print(f"\n{'case':34s} {'ok':>5s} {'out_err':>9s} {'cos_diff':>9s} {'lse_err':>9s} {'first_s':>7s}")
+  for r in checks:
+    print(f"{r['case']:34s} {str(r['ok']):>5s} {r['out_max_abs_err']:9.2e} {r['cos_diff']:9.1e} "
+          f"{r['lse_max_abs_err']:9.1e} {r['first_call_s']:7.1f}")
+  if timings:
+    print(f"\ncopy ceiling {copy['tb_per_s']:.3f} TB/s")
+    print(f"{'variant':34s} {'us':>9s} {'kern_us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} {'%copy':>6s}")
+    for r in timings:
+      if "error" in r:
+        print(f"{r['variant']:34s} ERROR {r['error'][:80]}")
+        continue
+      print(f"{r['variant']:34s} {r['us']:9.1f} {r['main_kernel_us']:9.1f} {r['tb_per_s']:6.2f} "
+            f"{r['tflop_per_s']:8.1f} {r['pct_copy']:6.1f}")
+  print(f"\nwrote {args.out}")
+  return 0 if all(r["ok"] for r in checks) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

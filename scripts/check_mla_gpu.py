@@ -45,7 +45,6 @@ def correctness_cases(kind: str):
       ("bf16 h1 ragged", "bfloat16", 1, 1, ragged(5, 300)),
       ("fp8 h64 sq2 causal", "fp8_e4m3", 64, 2, ragged(5, 900)),
       ("fp8 h16 b64 many seqs/part", "fp8_e4m3", 16, 1, ragged(64, 2000)),
-      ("bf16 h16 sq2 noncausal", "bfloat16", 16, 2, ragged(4, 400)),
       ("fp8 h128 b2 L8192", "fp8_e4m3", 128, 1, [8192, 8000]),
   ]
 
@@ -87,21 +86,18 @@ def timing_variants():
       v.append((f"{dtype} h{heads}", dtype, heads, 1, 128, 4096, False, "mosaic_sm90", {}))
   v += [
       ("fp8_e4m3 h16 ragged[1,2L]", "fp8_e4m3", 16, 1, 128, 4096, True, "mosaic_sm90", {}),
-      ("fp8_e4m3 h16 stages=2", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90", dict(num_stages=2)),
       ("fp8_e4m3 h16 ablate stream", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
        dict(_ablate=frozenset({"stream"}))),
       ("fp8_e4m3 h16 ablate nodequant", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
        dict(_ablate=frozenset({"nodequant"}))),
       ("fp8_e4m3 h16 ablate noswap", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
        dict(_ablate=frozenset({"noswap"}))),
-      ("fp8_e4m3 h128 ablate stream", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(_ablate=frozenset({"stream"}))),
       ("fp8_e4m3 h16 xla", "fp8_e4m3", 16, 1, 128, 4096, False, "xla", {}),
   ]
   return v
 
 
-def run_timing(iters: int, only: str | None):
+def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
   rows = []
   copy = chk.copy_bandwidth()
   print(f"[time] copy ceiling {copy['tb_per_s']:.3f} TB/s ({copy['method']})", flush=True)
@@ -138,6 +134,7 @@ def run_timing(iters: int, only: str | None):
     rows.append(row)
     print(f"[time] {name}: {t['us']:.1f} us (main kernel {kernel_us:.1f}) {row['tb_per_s']:.2f} TB/s "
           f"{row['tflop_per_s']:.0f} TFLOP/s  kernels={t.get('kernels')}", flush=True)
+    dump(copy, rows)
   return copy, rows
 
 
@@ -162,11 +159,17 @@ def main():
   info = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__,
               commit=args.commit or git_commit(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
   print(f"[info] {info}", flush=True)
-  checks = run_correctness(args.cases, args.interpret) if args.cases != "none" else []
-  copy, timings = run_timing(args.iters, args.only) if args.timing else (None, [])
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(dict(info=info, checks=checks, copy=copy, timings=timings), f, indent=1)
+
+  def dump(checks, copy, timings):      # rewritten after every step: a killed run keeps what it measured
+    with open(args.out, "w") as f:
+      json.dump(dict(info=info, checks=checks, copy=copy, timings=timings), f, indent=1)
+
+  checks = run_correctness(args.cases, args.interpret) if args.cases != "none" else []
+  dump(checks, None, [])
+  copy, timings = (run_timing(args.iters, args.only, lambda c, r: dump(checks, c, r)) if args.timing
+                   else (None, []))
+  dump(checks, copy, timings)
   print(f"\n{'case':34s} {'ok':>5s} {'out_err':>9s} {'cos_diff':>9s} {'lse_err':>9s} {'first_s':>7s}")
   for r in checks:
     print(f"{r['case']:34s} {str(r['ok']):>5s} {r['out_max_abs_err']:9.2e} {r['cos_diff']:9.1e} "

@@ -78,13 +78,18 @@ def time_fn(fn, *args, iters: int = 20, reps: int = 5) -> dict:
             "us_spread": max(means) - min(means)}
 
 
-def materialized_weight(hlo: str, shape: str) -> bool:
-    """True when the ENTRY computation of optimized HLO produces a buffer of `shape` (e.g. 'bf16[1536,24576]'):
-    the dequantized weight was written to memory instead of being fused into the GEMM."""
+def materialized_weight(hlo: str, n_in: int, n_out: int) -> bool:
+    """True when the ENTRY computation of optimized HLO writes a bf16/f32 buffer with n_in·n_out elements (any
+    shape or layout, e.g. a transposed bf16[7168,256,64] for o_proj): the dequantized weight went through memory
+    instead of being fused into the GEMM."""
     m = re.search(r"^ENTRY .*?^}", hlo, re.S | re.M)
     entry = m.group(0) if m else hlo
-    pat = re.compile(rf"=\s*{re.escape(shape)}[{{\s]")
-    return any(pat.search(line) and "parameter(" not in line for line in entry.splitlines())
+    for line in entry.splitlines():
+        r = re.search(r"=\s*(bf16|f32)\[([\d,]*)\]", line)
+        if r and "parameter(" not in line and r.group(2):
+            if int(np.prod([int(d) for d in r.group(2).split(",")])) == n_in * n_out:
+                return True
+    return False
 
 
 def packed_dequant(qp, zp, s, dtype):
@@ -135,7 +140,7 @@ def bench_linears(cfg, G: int, tokens: list[int], key, hlo_path: str) -> list[di
                 if variant == "int4" or (variant == "int32_packed" and T == tokens[0]):
                     hlo_file.write(f"\n\n######## {name} [{n_in},{n_out}] T={T} {variant}\n{hlo}")
                 t = time_fn(compiled, *args)
-                mat = None if variant == "bf16" else materialized_weight(hlo, f"bf16[{n_in},{n_out}]")
+                mat = None if variant == "bf16" else materialized_weight(hlo, n_in, n_out)
                 rows.append(dict(linear=name, shape=[n_in, n_out], T=T, variant=variant, rel_err_vs_bf16=err,
                                  weight_bytes=nbytes, gbps=nbytes / t["us"] / 1e3,
                                  materialized_bf16_weight=mat, **t))

@@ -10,7 +10,8 @@
 A tensor's name is its NNX parameter path joined by dots, e.g. "layers.3.self_attn.q_a_proj.kernel" or
 "layers.3.mlp.experts.w_gate_qweight"; its value is exactly what the model holds (kernels [in, out], stacked
 experts [E, ...], AWQ int4 weights/zeros and fp16 scales), so loading is a read and a device_put: no transposes,
-no unpacking, no expert stacking. Floating-point parameters that follow the model dtype are stored in the source
+no AWQ unpacking, no expert stacking. int4 tensors are stored two per byte (uint8, low nibble first, as XLA
+holds int4) and unpacked by a bitcast on the device. Floating-point parameters that follow the model dtype are stored in the source
 checkpoint's dtype (the widest float dtype among them, so nothing is rounded) and cast at load, exactly as the HF
 loader casts; fixed-dtype parameters (fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the
 converter's host memory at one layer and let a loader stream.
@@ -43,6 +44,8 @@ FORMAT = "mla_jax.converted"
 VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
+# int4 tensors are stored as uint8 [..., n/2], element 2i in the low nibble of byte i; crc32 is of those bytes.
+INT4_NIBBLES = "uint8_int4_nibbles"
 # Weight files of other formats that are never copied into a converted directory.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 _ST_FLOATS = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
@@ -69,8 +72,29 @@ def group_of(path: tuple) -> str:
 
 
 def crc32(arr: np.ndarray) -> int:
-    """crc32 of the array's bytes in C order (1 byte per element for int4)."""
+    """crc32 of the array's bytes in C order."""
     return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)) & 0xFFFFFFFF
+
+
+def pack_nibbles(a: np.ndarray) -> np.ndarray:
+    """int4 [..., n] (n even) -> uint8 [..., n/2], element 2i in the low nibble of byte i (XLA's int4 order)."""
+    v = a.astype(np.int8).view(np.uint8) & np.uint8(0xF)
+    return np.ascontiguousarray(v[..., 0::2] | (v[..., 1::2] << np.uint8(4)))
+
+
+def unpack_nibbles_host(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., n/2] -> int4 [..., n] on the host (the inverse of pack_nibbles)."""
+    out = np.empty((*b.shape[:-1], b.shape[-1], 2), np.int8)
+    out[..., 0] = (b & 0xF).astype(np.int8)
+    out[..., 1] = (b >> 4).astype(np.int8)
+    out = (out ^ 8) - 8                                      # sign-extend 4-bit two's complement
+    return out.reshape(*b.shape[:-1], -1).astype(ml_dtypes.int4)
+
+
+@jax.jit
+def _unpack_nibbles_device(b: jax.Array) -> jax.Array:
+    # XLA stores int4 two per byte with the even element in the low nibble: a bitcast, no arithmetic.
+    return jax.lax.bitcast_convert_type(b, jnp.int4).reshape(*b.shape[:-1], -1)
 
 
 def _abstract_params(cfg: ModelConfig, dtype) -> tuple[nnx.Module, dict[str, tuple[tuple, Any]]]:
@@ -170,8 +194,14 @@ def convert_checkpoint(src, dst, *, force: bool = False, progress: bool = True) 
     def capture(path: tuple, arr: np.ndarray):
         name, group = param_name(path), group_of(path)
         arr = np.ascontiguousarray(arr)
-        tensors[name] = {"group": group, "shape": list(arr.shape), "dtype": str(arr.dtype), "crc32": crc32(arr)}
-        pending.setdefault(group, {})[name] = arr
+        entry = {"group": group, "shape": list(arr.shape), "dtype": str(arr.dtype)}
+        stored = arr
+        if arr.dtype == np.dtype(ml_dtypes.int4):   # tensorstore writes int4 one per byte: pack two per byte
+            stored = pack_nibbles(arr)
+            entry["stored_as"] = INT4_NIBBLES
+        entry["crc32"] = crc32(stored)
+        tensors[name] = entry
+        pending.setdefault(group, {})[name] = stored
         if len(pending[group]) == len(groups[group]):
             _save_group(os.path.join(tmp, WEIGHTS, group), pending.pop(group))
         bar.update(1)
@@ -238,7 +268,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
                    verify_checksums: bool = True):
     """Converted directory -> (DeepseekV3 model, ModelConfig); same contract as `mla_jax.load_model`.
 
-    put(param_path, host_array) places each parameter (default jnp.asarray), as in the HF loader."""
+    put(param_path, host_array) places each parameter as in the HF loader (default: jax.device_put, and int4
+    tensors go to the device packed and are unpacked there)."""
     from mla_jax.checkpoint.hf import _resolve_dtype
 
     path = os.fspath(path)
@@ -252,7 +283,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
     model, params = _abstract_params(cfg, jdtype)
     model_dtype = np.dtype(jdtype)
     _check_against_manifest(manifest, params, model_dtype, path)
-    put = put or (lambda _p, a: jnp.asarray(a))
+    default_put = put is None
+    put = put or (lambda _p, a: jax.device_put(a))
     entries = manifest["tensors"]
 
     by_group: dict[str, list[str]] = {}
@@ -267,9 +299,12 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
             arrays = _restore_group(gdir, names)
             for name in names:
                 a, e = arrays[name], entries[name]
-                if tuple(a.shape) != tuple(e["shape"]) or str(a.dtype) != e["dtype"]:
+                want_shape, want_dtype = tuple(e["shape"]), e["dtype"]
+                if e.get("stored_as") == INT4_NIBBLES:
+                    want_shape, want_dtype = (*want_shape[:-1], want_shape[-1] // 2), "uint8"
+                if tuple(a.shape) != want_shape or str(a.dtype) != want_dtype:
                     raise ValueError(f"converted checkpoint {path}: tensor {name!r} on disk is {a.dtype}"
-                                     f"{tuple(a.shape)}, the manifest says {e['dtype']}{tuple(e['shape'])}")
+                                     f"{tuple(a.shape)}, the manifest says {want_dtype}{want_shape}")
             if verify_checksums:
                 sums = dict(zip(names, pool.map(lambda n: crc32(arrays[n]), names)))
                 for name in names:
@@ -280,7 +315,12 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
             for name in names:
                 p, want = params[name]
                 a = arrays.pop(name)
-                if a.dtype != want.dtype:
-                    a = a.astype(want.dtype)
-                _variable(model, p).set_value(put(p, a))
+                if entries[name].get("stored_as") == INT4_NIBBLES:
+                    # default placement: move the packed bytes and unpack on the device (half the transfer);
+                    # a caller's put (e.g. sharded) gets the host array in the model's layout, as promised.
+                    value = (_unpack_nibbles_device(jax.device_put(a)) if default_put
+                             else put(p, unpack_nibbles_host(a)))
+                else:
+                    value = put(p, a if a.dtype == want.dtype else a.astype(want.dtype))
+                _variable(model, p).set_value(value)
     return model, cfg

@@ -135,6 +135,8 @@ def score_prefill(model, windows: np.ndarray, cache_dtype: str, chunk: int, page
 
 
 def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # set by callers whose copy of the tree has no .git (e.g. a remote run)
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
@@ -171,6 +173,13 @@ def main(argv=None):
     paths = [p for p in args.paths.split(",") if p]
     from mla_jax.engine.llm import resolve_backend
 
+    dev = jax.devices()[0]
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results",
+                                   f"eval_ppl_{dev.platform}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    partial = out + ".partial.jsonl"  # rows as they finish, in case the run is cut short
+    if os.path.exists(partial):
+        os.remove(partial)
     rows = []
 
     def add(weights, cache, backend, path, nll=None, seconds=None, note=None):
@@ -182,6 +191,8 @@ def main(argv=None):
             row["note"] = note
         rows.append(row)
         print(json.dumps(row), flush=True)
+        with open(partial, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     for wname, wpath in weights_list:
         model, cfg = mla_jax.load_model(wpath, dtype=args.dtype)
@@ -216,7 +227,6 @@ def main(argv=None):
         if b and "ppl" in r and r["kv_cache_dtype"] != "bfloat16":
             r["ppl_vs_bf16_cache_pct"] = 100.0 * (r["ppl"] / b - 1.0)
 
-    dev = jax.devices()[0]
     result = {
         "script": "scripts/eval_ppl.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"{dev.platform}:{dev.device_kind}", "jax": jax.__version__, "commit": _commit(),
@@ -225,12 +235,10 @@ def main(argv=None):
                                                                    if k in ("listed", "matched", "root")},
         "rows": rows,
     }
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results",
-                                   f"eval_ppl_{dev.platform}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
+    os.remove(partial)
 
     print(f"\nheld-out perplexity, {result['num_seqs']} x {result['seq_len']} tokens, {args.dtype} compute, {result['device']}, "
           f"jax {result['jax']}, commit {result['commit']}, {result['date']}")

@@ -1,0 +1,198 @@
+"""Generate text with mla_jax.LLM (thin argparse main over the library).
+
+    python scripts/generate.py                                   # embedded default model, default prompt
+    python scripts/generate.py --prompt "def quicksort(xs):" --max-tokens 64 --stream
+    python scripts/generate.py --model /path/to/DeepSeek-V3-AWQ --kv-cache-dtype fp8_e4m3 --chat --prompt "Hi"
+
+Prints the attention backend line (choice and reason), each prompt's generated text, and a summary (prompt and
+generated tokens, output tok/s, time to first token). Sampling defaults come from the model's
+generation_config.json (temperature, top_p, top_k) when it has one, else greedy; flags override them.
+Exit status: 0 on success; 1 if a request failed (its reason is printed, the other requests still run);
+2 if the engine cannot be built as asked (e.g. --attention-backend mosaic_sm90 on a CPU: the reason is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
+DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="HF-format model directory (default: the embedded model checkpoints/tiny-deepseek-py)")
+    ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    ap.add_argument("--prompts-file", help="a file with one prompt per line (or a JSON list of strings)")
+    ap.add_argument("--prompt-token-ids", action="append", default=None,
+                    help="a prompt given as comma-separated token ids (repeatable; for models without a tokenizer)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config)")
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="engine seed; request i gets a seed derived from it")
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "mosaic_sm90", "triton", "xla"])
+    ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    ap.add_argument("--stream", action="store_true", help="print text as it is generated")
+    ap.add_argument("--verbose", action="store_true", help="INFO logging")
+    return ap.parse_args(argv)
+
+
+def read_prompts(args, tokenizer) -> list:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            text = f.read()
+        if args.prompts_file.endswith(".json"):
+            loaded = json.loads(text)
+            if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
+                raise ValueError(f"{args.prompts_file}: a .json prompts file must hold a list of strings")
+            prompts += loaded
+        else:
+            prompts += [line for line in text.splitlines() if line.strip()]
+    for ids in args.prompt_token_ids or []:
+        try:
+            prompts.append([int(t) for t in ids.split(",") if t.strip()])
+        except ValueError:
+            raise ValueError(f"--prompt-token-ids {ids!r}: give comma-separated integers") from None
+    if not prompts:
+        prompts = list(DEFAULT_PROMPTS)
+    if args.chat:
+        if tokenizer is None:
+            raise ValueError("--chat needs a tokenizer (tokenizer.json) in the model directory")
+        prompts = [p if not isinstance(p, str) else
+                   tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
+                                    add_special_tokens=False) for p in prompts]
+    return prompts
+
+
+def sampling_defaults(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        gen = json.load(f)
+    if gen.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+    if out.get("top_k") == 0:
+        out["top_k"] = -1
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.model == DEFAULT_MODEL and not os.path.isdir(DEFAULT_MODEL):
+        print(f"error: the embedded default model {DEFAULT_MODEL} is missing from this checkout; pass --model",
+              file=sys.stderr)
+        return 2
+
+    import jax
+    import mla_jax
+
+    t_start = time.perf_counter()
+    try:
+        llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+                          interpret=args.interpret, seed=args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t_loaded = time.perf_counter()
+    print(f"attention backend: {llm.backend} ({llm.backend_reason}); kv cache {llm.kv_cache_dtype}; "
+          f"device {jax.devices()[0].device_kind}; model loaded in {t_loaded - t_start:.1f} s", flush=True)
+
+    try:
+        prompts = read_prompts(args, llm.tokenizer)
+        sp = sampling_defaults(args.model)
+        for k in ("temperature", "top_p", "top_k"):
+            if getattr(args, k) is not None:
+                sp[k] = getattr(args, k)
+        params = mla_jax.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, **sp)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    t0 = time.perf_counter()
+    outputs = None
+    # --stream: prompts are shown in order; the lowest unfinished one streams live, the others' text is held until
+    # their turn (several prompts never interleave on the screen).
+    n = len(prompts)
+    pending = [[] for _ in range(n)]
+    finished = {}                          # index -> line to print after its text
+    focus = 0
+
+    def header(i):
+        shown = prompts[i] if isinstance(prompts[i], str) else list(prompts[i])
+        print(f"\n=== [{i}] prompt: {shown!r}", flush=True)
+
+    def advance():
+        nonlocal focus
+        while focus < n:
+            print("".join(pending[focus]), end="", flush=True)
+            pending[focus] = []
+            if focus not in finished:
+                return
+            print(finished[focus], flush=True)
+            focus += 1
+            if focus < n:
+                header(focus)
+
+    if args.stream and n:
+        header(0)
+    counts = [0] * n
+    for ev in llm.generate_stream(prompts, params):
+        if ev.outputs is not None:
+            outputs = ev.outputs
+            continue
+        counts[ev.index] += 1
+        if args.stream:
+            pending[ev.index].append(ev.text)
+            if ev.finish_reason is not None:
+                finished[ev.index] = f"\n--- finish_reason={ev.finish_reason} tokens={counts[ev.index]}"
+            advance()
+    elapsed = time.perf_counter() - t0
+
+    failed = sum(o.error is not None for o in outputs)
+    for o in outputs:
+        line = (f"error: {o.error}" if o.error is not None else
+                f"--- finish_reason={o.finish_reason} tokens={len(o.token_ids)}")
+        if args.stream:
+            finished.setdefault(o.request_id, line)     # requests that produced no token events
+        else:
+            header(o.request_id)
+            if o.error is None:
+                print(o.text if llm.tokenizer is not None else o.token_ids)
+            print(line)
+    if args.stream:
+        advance()
+    n_prompt = sum(len(o.prompt_token_ids) for o in outputs if o.error is None)
+    n_gen = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.metrics["time_to_first_token_s"] for o in outputs if o.metrics.get("time_to_first_token_s")]
+    ttft = (f"time to first token {min(ttfts):.3f} s (first request) / {sum(ttfts) / len(ttfts):.3f} s (mean)"
+            if ttfts else "no tokens generated")
+    print(f"\nsummary: {len(outputs)} prompts ({failed} failed), {n_prompt} prompt tokens, {n_gen} generated "
+          f"tokens in {elapsed:.2f} s = {n_gen / elapsed if elapsed > 0 else 0.0:.1f} tok/s; {ttft}; "
+          f"{llm.scheduler.num_preemptions} preemptions (first call includes compilation)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -948,3 +948,19 @@ def decode_rows_by_device(requests: Sequence, pools: DevicePagePools, buckets: S
     for rs in per_device:
         rows += rs + [None] * (bl - len(rs))
     return rows
+
+
+def init_sharded(cfg, plan: ShardingPlan, dtype, seed: int = 0):
+    """DeepseekV3(cfg) with its random initial weights (AWQ int4 for quantized configs) created directly in the
+    plan's shardings: the init runs under jit with those output shardings, so each device generates only its
+    own part (benchmarks of full-size models without a checkpoint)."""
+    from flax import nnx
+
+    from mla_jax.model.transformer import DeepseekV3
+
+    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
+    abstract = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    state = jax.jit(lambda: nnx.state(DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(seed))),
+                    out_shardings=plan.param_shardings(abstract_state))()
+    return nnx.merge(graphdef, state)

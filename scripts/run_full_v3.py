@@ -42,10 +42,11 @@ def full_v3_hf_config(group_size: int) -> dict:
     )
 
 
-def small_v3_hf_config(group_size: int) -> dict:
-    """A tiny model with V3's structure and the real MLA cache dims, for checking the run path on a CPU."""
-    d = full_v3_hf_config(group_size)
-    d.update(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+def small_v3_hf_config() -> dict:
+    """A tiny model with V3's structure and the real MLA cache dims, for checking the run path on a CPU (AWQ group
+    16, so that row-split weights have a multiple of 8 groups)."""
+    d = full_v3_hf_config(16)
+    d.update(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=8, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16,
              num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1)
     return d
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
 
     from mla_jax.config import ModelConfig
 
-    hf = small_v3_hf_config(args.group_size) if args.small else full_v3_hf_config(args.group_size)
+    hf = small_v3_hf_config() if args.small else full_v3_hf_config(args.group_size)
     cfg = ModelConfig.from_hf_dict(hf)
     if jax.device_count() < args.num_devices:
         raise SystemExit(f"needs {args.num_devices} devices, found {jax.device_count()} "
@@ -153,39 +154,134 @@ def dry_run(cfg, args) -> dict:
 
 
 def lower_decode(graphdef, weights, caches, plan, cfg, batch, args) -> dict:
-    """Traces and lowers the engine's sharded decode step on abstract full-size inputs (no allocation)."""
+    """Traces and lowers the engine's sharded decode step (mla_jax.engine.steps.decode_step with the plan, the
+    function LLM jits) on abstract full-size inputs: shapes and shardings check out, nothing is allocated. The
+    attention backend is the portable xla one (Pallas GPU kernels do not lower for a CPU)."""
     import time
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from mla_jax import sharding
-    from mla_jax.engine import llm as engine
+    from mla_jax.engine.steps import decode_step
 
     def sds(a, s):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
 
     w = jax.tree.map(sds, weights, plan.engine_weight_shardings(weights))
     c = jax.tree.map(sds, caches, plan.cache_shardings(caches))
-    rep = plan.replicated_sharding
-    width = pages_per_seq(args)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)
-    u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=rep)
-    fn = engine.sharded_decode_fn(plan, cfg, backend="xla", interpret=False)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.replicated_sharding)
+    fn = jax.jit(decode_step, static_argnums=(0,), static_argnames=("backend", "interpret", "plan"),
+                 donate_argnums=(2,))
     t0 = time.perf_counter()
-    lowered = fn.lower(graphdef, w, c, i32(batch), i32(batch), i32(batch), i32(batch, width), i32(batch),
-                       f32(batch), i32(batch), f32(batch), u32(batch), i32(batch))
+    lowered = fn.lower(graphdef, w, c, i32(batch), i32(batch), i32(batch), i32(batch, pages_per_seq(args)),
+                       i32(batch), backend="xla", interpret=False, plan=plan)
     secs = time.perf_counter() - t0
     text = lowered.as_text()
     return {"lower_seconds": round(secs, 1), "stablehlo_chars": len(text),
-            "shard_map_islands": text.count("sdy.manual_computation") + text.count("shard_map")}
+            "manual_computations": text.count("sdy.manual_computation") + text.count("shard_map")}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 def run(cfg, args) -> dict:
-    raise SystemExit("run mode needs the engine integration (mla_jax.engine.LLM with tensor_parallel_size)")
+    """Random sharded weights (generated on the devices), then per mode and batch: one warm-up generate (compiles
+    every bucket the timed run uses), one timed generate of `batch` prompts × gen_len tokens (ignore_eos)."""
+    import gc
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mla_jax import sharding
+    from mla_jax.engine import LLM, SamplingParams
+
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for mode in args.modes:
+        plan = sharding.ShardingPlan.create(cfg, args.num_devices, mode == "dp")
+        t0 = time.perf_counter()
+        model = sharding.init_sharded(cfg, plan, jnp.bfloat16, seed=args.seed)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        init_s = time.perf_counter() - t0
+        print(f"[{mode}] random AWQ weights generated on {args.num_devices} devices in {init_s:.1f}s")
+        for batch in args.batches:
+            num_pages = num_pages_for(args, batch, mode)
+            llm = LLM.from_model(
+                model, kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+                max_model_len=args.prompt_len + args.gen_len, max_num_seqs=batch, num_pages=num_pages,
+                max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.num_devices,
+                data_parallel_attention=mode == "dp", sharding_plan=plan)
+            steps = time_decode_steps(llm)
+            prompts = rng.integers(2, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=min(3, args.gen_len), ignore_eos=True))
+            warm_s = time.perf_counter() - t0
+            steps.clear()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True))
+            total_s = time.perf_counter() - t0
+            n_out = sum(len(o.token_ids) for o in outs)
+            ttft = max(o.metrics["time_to_first_token_s"] for o in outs)
+            full = [s for b, s in steps if b == max(b for b, _ in steps)]
+            graphdef, weights, caches = sharding.abstract_engine_state(
+                cfg, jnp.bfloat16, num_pages=num_pages, cache_dtype=args.kv_cache_dtype)
+            mem = sharding.memory_per_device(plan, weights, caches)
+            roof = decode_roofline(cfg, mem, args, batch, mode, args.prompt_len + args.gen_len // 2)
+            step_ms = statistics.median(full) * 1e3 if full else None
+            row = dict(mode=mode, batch=batch, num_pages=num_pages, backend=llm.backend, output_tokens=n_out,
+                       total_s=total_s, output_tok_per_s=n_out / total_s,
+                       total_tok_per_s=(n_out + batch * args.prompt_len) / total_s,
+                       time_to_last_first_token_s=ttft, warmup_s=warm_s, decode_steps=len(steps),
+                       decode_step_ms_median=step_ms,
+                       decode_step_ms_p90=float(np.percentile(full, 90)) * 1e3 if full else None,
+                       decode_roofline_ms=roof["seconds"] * 1e3,
+                       decode_roofline_fraction=roof["seconds"] * 1e3 / step_ms if step_ms else None,
+                       roofline=roof, planned_bytes_per_device=mem, device_memory=device_memory())
+            rows.append(row)
+            print(f"[{mode}] batch {batch:4d}: {row['output_tok_per_s']:9.1f} output tok/s  "
+                  f"({row['total_tok_per_s']:9.1f} total)  decode step {step_ms or float('nan'):8.2f} ms "
+                  f"(roofline {row['decode_roofline_ms']:.2f} ms)  peak mem/GPU "
+                  f"{max(m.get('peak_bytes_in_use', 0) for m in row['device_memory']) / 2**30:.1f} GiB")
+            del llm, outs
+            gc.collect()
+        del model
+        gc.collect()
+    return {"kind": "run", "config": f"DeepSeek-V3 {'small (CPU check)' if args.small else 'full size'}, AWQ "
+            f"int4 group {cfg.quantization.group_size} random weights, bf16 activations, {args.kv_cache_dtype} "
+            f"cache", "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": rows, **env_info()}
+
+
+def time_decode_steps(llm) -> list:
+    """Wraps the engine's jitted decode step to record (batch rows, seconds) per call (the engine reads the
+    sampled tokens after every step anyway, so blocking here adds no synchronisation)."""
+    import time
+
+    import jax
+
+    inner = llm._decode_fn
+    record = []
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        out = inner(*a, **kw)
+        jax.block_until_ready(out[1])
+        record.append((a[3].shape[0], time.perf_counter() - t0))
+        return out
+
+    timed._cache_size = inner._cache_size
+    llm._decode_fn = timed
+    return record
+
+
+def device_memory() -> list:
+    import jax
+    out = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        out.append({k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices to run over (all of them with several processes): attention heads and experts "
+                         "split over them")
+    ap.add_argument("--data-parallel-attention", action="store_true",
+                    help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
+                         "instead of attention heads (experts stay split)")
+    ap.add_argument("--coordinator-address", default=None,
+                    help="host:port of process 0, to run one process per host (jax.distributed); every process "
+                         "runs this same command with its own --process-id and prints the same results")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     ap.add_argument("--stream", action="store_true", help="print text as it is generated")
     ap.add_argument("--verbose", action="store_true", help="INFO logging")
@@ -103,6 +113,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
+    if args.coordinator_address is not None:      # before anything touches a jax device
+        from mla_jax import sharding
+        sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     import jax
     import mla_jax
 
@@ -111,7 +124,8 @@ def main(argv=None) -> int:
         llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           attention_backend=args.attention_backend, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                          interpret=args.interpret, seed=args.seed)
+                          interpret=args.interpret, seed=args.seed,
+                          data_parallel_attention=args.data_parallel_attention)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -190,7 +190,7 @@ class LLM:
         probe = pallas_kernels.MLAKVCache.allocate(1, page_size=self.page_size, dtype=self.kv_cache_dtype)
         page_bytes = sum(x.nbytes for x in jax.tree.leaves(probe)) * self.cfg.num_hidden_layers
         if budget is None:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}
             if "bytes_limit" in stats:
                 budget = int(0.9 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
             else:

@@ -5,7 +5,8 @@
 
 Data: the held-out files recorded in the model's training.json (split by file, never trained on), read from this
 interpreter's standard library (files whose sha256 changed are left out and counted), tokenized as in training
-(<|bos|> file <|eos|>, concatenated) and cut into --num-seqs windows of --seq-len + 1 tokens.
+(<|bos|> file <|eos|>, concatenated) and cut into windows of --seq-len + 1 tokens, of which --num-seqs are scored,
+spread evenly over the stream (--windows first takes the first ones: mostly codec tables for the shipped model).
 
 Paths scored, each by teacher forcing (the true next token is fed, its log-probability is read):
   forward   model(ids): full causal forward, no cache (the reference for the weights)
@@ -38,13 +39,23 @@ from mla_jax.engine.text import Tokenizer  # noqa: E402
 from mla_jax.train import eval_windows, load_heldout_files, token_nll, token_stream  # noqa: E402
 
 
-def heldout_windows(model_dir: str, seq_len: int, num_seqs: int, corpus_root=None):
+def heldout_windows(model_dir: str, seq_len: int, num_seqs: int, corpus_root=None, select: str = "spread"):
+    """num_seqs windows of the test stream (files in sorted path order): "spread" takes them evenly over the whole
+    stream, "first" the first num_seqs (which cover only the first few files). num_seqs 0: every window."""
     tok = Tokenizer.from_dir(model_dir)
     if tok is None:
         raise ValueError(f"{model_dir} has no tokenizer.json")
     files, stats = load_heldout_files(model_dir, corpus_root)
     stream = token_stream(tok.backend, files)
-    return eval_windows(stream, seq_len, num_seqs), stats
+    windows = eval_windows(stream, seq_len)
+    if num_seqs and num_seqs < len(windows):
+        if select == "first":
+            windows = windows[:num_seqs]
+        elif select == "spread":
+            windows = windows[np.linspace(0, len(windows) - 1, num_seqs).round().astype(int)]
+        else:
+            raise ValueError(f"window selection {select!r}: use 'spread' or 'first'")
+    return windows, stats
 
 
 def _slots(block_table: np.ndarray, pos: np.ndarray, page_size: int) -> np.ndarray:
@@ -151,7 +162,9 @@ def main(argv=None):
     ap.add_argument("--kv-cache-dtypes", default="bfloat16,fp8_e4m3")
     ap.add_argument("--backends", default="xla,triton,mosaic_sm90")
     ap.add_argument("--paths", default="forward,prefill,decode")
-    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--num-seqs", type=int, default=64, help="held-out windows scored (0: all)")
+    ap.add_argument("--windows", default="spread", choices=["spread", "first"],
+                    help="spread: evenly over the whole test stream; first: its first --num-seqs windows")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32, help="batch of the forward path")
@@ -162,7 +175,7 @@ def main(argv=None):
     ap.add_argument("--out", help="JSON output (default bench/results/eval_ppl_<platform>.json)")
     args = ap.parse_args(argv)
 
-    windows, stats = heldout_windows(args.model, args.seq_len, args.num_seqs, args.corpus_root)
+    windows, stats = heldout_windows(args.model, args.seq_len, args.num_seqs, args.corpus_root, args.windows)
     print(f"held-out: {stats['matched']}/{stats['listed']} files matched under {stats['root']} "
           f"(changed {len(stats['changed'])}, missing {len(stats['missing'])}); {windows.shape[0]} windows x "
           f"{windows.shape[1] - 1} scored tokens = {windows.shape[0] * (windows.shape[1] - 1):,} tokens", flush=True)
@@ -230,7 +243,7 @@ def main(argv=None):
     result = {
         "script": "scripts/eval_ppl.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"{dev.platform}:{dev.device_kind}", "jax": jax.__version__, "commit": _commit(),
-        "models": dict(weights_list), "num_seqs": int(windows.shape[0]), "seq_len": int(windows.shape[1] - 1),
+        "models": dict(weights_list), "num_seqs": int(windows.shape[0]), "windows": args.windows, "seq_len": int(windows.shape[1] - 1),
         "chunk": args.chunk, "interpret": args.interpret, "dtype": args.dtype, "heldout": {k: v for k, v in stats.items()
                                                                    if k in ("listed", "matched", "root")},
         "rows": rows,

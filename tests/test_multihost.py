@@ -51,3 +51,36 @@ def test_two_processes_load_sharded_and_match_one_device(tmp_path):
         got = np.load(tmp_path / f"logits_{pid}.npy")
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(got, golden["logits_fp32"], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_script_across_two_processes_with_dp_attention(tmp_path):
+    """scripts/generate.py, the same command in both processes (jax.distributed, 2 CPU devices each), data-parallel
+    attention over the 4 devices: each process prints the tokens one device generates."""
+    import mla_jax
+    fixture = os.path.join(HERE, "fixtures", "sharding_dims")
+    prompts = [[3, 17, 5, 9], [7, 1, 2], [40, 41, 42, 43, 44, 45]]
+    worker = os.path.join(HERE, "..", "scripts", "generate.py")
+    args = ["--model", fixture, "--max-tokens", "4", "--dtype", "float32", "--attention-backend", "xla",
+            "--tensor-parallel-size", "4", "--data-parallel-attention", "--max-num-seqs", "4", "--max-model-len", "64",
+            "--num-processes", "2"]
+    for p in prompts:
+        args += ["--prompt-token-ids", ",".join(map(str, p))]
+    coordinator = f"localhost:{_free_port()}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, worker, *args, "--coordinator-address", coordinator,
+                               "--process-id", str(pid)], cwd=os.path.dirname(HERE), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for pid in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    llm = mla_jax.LLM(fixture, dtype="float32", attention_backend="xla", max_model_len=64, max_num_seqs=4)
+    want = [o.token_ids for o in llm.generate(prompts, mla_jax.SamplingParams(max_tokens=4))]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+        printed = [json.loads(line) for line in out.splitlines() if line.startswith("[") and line.endswith("]")]
+        assert printed == want, out[-3000:]

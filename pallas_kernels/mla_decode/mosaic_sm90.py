@@ -46,11 +46,19 @@ _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
 
+def _dequant_layout():
+  """Register layout of a [64 tok, 128] tile in the dequant pass: 8 consecutive elements per thread (one 8-byte
+  fp8 load, one 16-byte f16 store, both whole swizzle chunks) -- Mosaic's SMEM copy layout for 16-bit 64-wide
+  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions."""
+  return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
+                            lane_dims=(-3, -2), vector_dim=-1)
+
+
 def _scale_layout():
-  """Register layout for one page's fp8 scales [64 tok, 4]: each thread holds the 4 scales of the rows it owns
-  in the wgmma layout, so `.sum(axis=1)` of a one-hot select lands in WGMMA.reduce(1) (a per-row vector)."""
-  return plgpu.Layout.TILED(plgpu.Tiling(((64, 4), (16, 4), (8, 4))), warp_dims=(-6,),
-                            lane_dims=(-2, plgpu.Replicated(4)), vector_dim=-1)
+  """Register layout for one page's fp8 scales [64 tok, 4]: each thread holds the 4 scales of every row it owns
+  in _dequant_layout, so `.sum(axis=1)` of a one-hot select is a per-row vector in _dequant_layout().reduce(1)."""
+  return plgpu.Layout.TILED(plgpu.Tiling(((32, 4), (8, 4), (4, 4))), warp_dims=(-6,),
+                            lane_dims=(-2, plgpu.Replicated(8)), vector_dim=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Plan:
   num_stages: int      # page ring depth
   fp8: bool
   split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
+  auto_barriers: bool = False  # Mosaic's warpgroup barrier around every SMEM store (not needed: see _build_call)
 
   @property
   def smem_bytes(self) -> int:
@@ -91,7 +100,7 @@ def _num_sms() -> int:
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None, split_p: bool | None = None) -> Plan:
+              rows_per_cta: int | None = None, split_p: bool | None = None, auto_barriers: bool = False) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache: a bf16 P alone (FlashMLA's choice) misses DESIGN §6's out tolerance
@@ -113,7 +122,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need "
                      f"{_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, over {SMEM_BUDGET}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p)
+              split_p=split_p, auto_barriers=bool(auto_barriers))
 
 
 # ---- device-side split-KV schedule -----------------------------------------------------------------------
@@ -131,8 +140,10 @@ def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Arr
   begin = jnp.minimum(p * payload, total)
   end = jnp.minimum(begin + payload, total)
   # sequence holding flat page f: the last b with cu[b] <= f (zero-page sequences never match)
-  b_first = jnp.clip(jnp.searchsorted(cu, begin, side="right").astype(jnp.int32) - 1, 0, b - 1)
-  b_last = jnp.clip(jnp.searchsorted(cu, end - 1, side="right").astype(jnp.int32) - 1, 0, b - 1)
+  # compare_all: one fused compare-and-count (the default 'scan' method is a loop of tiny kernels)
+  find = functools.partial(jnp.searchsorted, side="right", method="compare_all")
+  b_first = jnp.clip(find(cu, begin).astype(jnp.int32) - 1, 0, b - 1)
+  b_last = jnp.clip(find(cu, end - 1).astype(jnp.int32) - 1, 0, b - 1)
   b_last = jnp.where(end > begin, b_last, b_first - 1)
   return cu, jnp.stack([begin, end, b_first, b_last], axis=-1).astype(jnp.int32)
 
@@ -148,7 +159,7 @@ def _combine(o_part, lse2_part, sched, batch: int):
   p = jnp.arange(num_parts, dtype=jnp.int32)
   start = jnp.where(end > begin, p + b_first, e_total)            # first entry of each share (empty ones last)
   e = jnp.arange(e_total, dtype=jnp.int32)
-  part_of_e = jnp.searchsorted(start, e, side="right").astype(jnp.int32) - 1
+  part_of_e = jnp.searchsorted(start, e, side="right", method="compare_all").astype(jnp.int32) - 1
   pe = jnp.clip(part_of_e, 0, num_parts - 1)
   b_of_e = e - pe
   valid = (part_of_e >= 0) & (b_of_e <= b_last[pe]) & (end[pe] > begin[pe])
@@ -240,19 +251,28 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       chunks = range(HALF // CHUNK)           # 64-wide chunks of this warpgroup's half
 
       def dequant(slot, n_valid):
-        # fp8 [64, 128] tile t -> f16 * scale[:, t]; rows past the length -> 0 (they may hold NaN)
+        # fp8 [64, 128] tile t -> f16 * scale[:, t] (exact: power-of-two scales); on a partial last page the
+        # rows past the length -> 0 by select (they may hold NaN), full pages skip the select
         sc_all = plgpu.load(ring_sc.at[slot], layout=_scale_layout(), optimized=False)
         col4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 1, layout=_scale_layout())
-        row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=_scale_layout())
-        ok = (row4 < n_valid).astype(jnp.float32)
-        for i in range(2):
-          t = 2 * w + i                                  # scale tile of these 128 dims
-          s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1)
-          ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
-          x = ring_lat[slot, w, :, pl.ds(i * 128, 128)].astype(jnp.float16)
-          x = x * lax.broadcast_in_dim(s_t.astype(jnp.float16), x.shape, [0])
-          x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-          kbuf[w, :, pl.ds(i * 128, 128)] = x
+
+        def convert(masked: bool):
+          if masked:
+            row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=_scale_layout())
+            ok = (row4 < n_valid).astype(jnp.float32)
+          for i in range(2):
+            t = 2 * w + i                                  # scale tile of these 128 dims
+            s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
+            x = plgpu.load(ring_lat.at[slot, w, :, pl.ds(i * 128, 128)], layout=_dequant_layout(),
+                           optimized=True).astype(jnp.float16)
+            x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
+            if masked:
+              ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+              x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+            kbuf[w, :, pl.ds(i * 128, 128)] = x
+
+        pl.when(n_valid >= PAGE)(lambda: convert(False))
+        pl.when(n_valid < PAGE)(lambda: convert(True))
         plgpu.commit_smem()
 
       def zero_tail(slot, n_valid):
@@ -271,10 +291,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
         @pl.when(hi > lo)
         def _segment():
-          plgpu.copy_gmem_to_smem(qn_ref.at[b, pl.ds(grp * n, n), pl.ds(w * HALF, HALF)], qn_smem.at[w],
-                                  qbar.at[w])
+          plgpu.commit_smem()                 # every thread is done with the previous Q before the TMA
+          bg = b * g_count + grp              # (sequence, head group) row of q: a leading-dim TMA index
+          plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(w * HALF, HALF)], qn_smem.at[w], qbar.at[w])
           if w == 0:
-            plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(grp * n, n)], qr_smem, qbar.at[2])
+            plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar.at[2])
           plgpu.barrier_wait(qbar.at[w])
           if w == 0:
             plgpu.barrier_wait(qbar.at[2])
@@ -284,7 +305,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             limit = length
 
           def page(j, carry):
-            acc, m_i, l_i = carry
+            acc, m_i, l_acc = carry
             c = ctr + (j - lo)
             slot = lax.rem(c, stages)
             n_valid = length - j * PAGE
@@ -335,7 +356,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [1]))
-            l_i = l_i * alpha + p.sum(axis=0)
+            # row sums stay per thread ([64, N], no cross-warp reduction per page); reduced once per segment
+            l_acc = l_acc * lax.broadcast_in_dim(alpha, l_acc.shape, [1]) + p
             p_hi = p.astype(dt)
             pbuf.at[w, 0].T[...] = p_hi
             if plan.split_p:
@@ -355,18 +377,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_page
             if not fp8:
               plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_new, l_i
+            return acc, m_new, l_acc
 
           acc0 = plgpu.layout_cast(jnp.zeros((HALF, n), jnp.float32), plgpu.Layout.WGMMA)
           m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-          l0 = plgpu.layout_cast(jnp.zeros((n,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-          acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
+          acc, m_i, l_acc = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          l_i = l_acc.sum(axis=0)
           seen = l_i > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-          e = part + b
-          o_ref[e, grp, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
+          o_ref[eg, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
           if w == 0:
-            lse_ref[e, grp] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+            lse_ref[eg] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
 
         return ctr + jnp.maximum(hi - lo, 0)
 
@@ -406,19 +429,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       plgpu.Barrier(num_arrivals=2),                                                # xread
       plgpu.Barrier(num_arrivals=1, num_barriers=3),                                # qbar
   ]
-  out_type = (jax.ShapeDtypeStruct((entries, g_count, LATENT_DIM, n), jnp.float32),
-              jax.ShapeDtypeStruct((entries, g_count, n), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((entries * g_count, LATENT_DIM, n), jnp.float32),
+              jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(g_count, parts), grid_names=("g", "part"),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers),
       interpret=plgpu.InterpretGPUParams() if interpret else False)
 
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None, split_p: bool | None = None,
-               _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
+               auto_barriers: bool = False, _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta override the plan (tests and tuning); None picks them.
@@ -432,11 +455,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p)
+                   split_p=split_p, auto_barriers=auto_barriers)
   rows_padded = plan.n * plan.groups
   qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
   if rows_padded != plan.rows:
     qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))
+  qf = qf.reshape(batch * plan.groups, plan.n, LATENT_DIM + ROPE_DIM)    # row b*G + g: sequence b, head group g
   q_nope = qf[..., :LATENT_DIM].astype(jnp.float16 if fp8 else jnp.bfloat16)
   q_rope = qf[..., LATENT_DIM:]
   max_pages = block_table.shape[1]
@@ -447,6 +471,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      interpret=interpret, ablate=frozenset(_ablate))
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, table, lens, cu, sched)
+  entries = plan.num_parts + batch
+  o_part = o_part.reshape(entries, plan.groups, LATENT_DIM, plan.n)
+  lse2_part = lse2_part.reshape(entries, plan.groups, plan.n)
   out, lse = _combine(o_part, lse2_part, sched, batch)                  # [B, G, 512, N], [B, G, N]
   out = jnp.swapaxes(out, -1, -2).reshape(batch, rows_padded, LATENT_DIM)[:, :plan.rows]
   lse = lse.reshape(batch, rows_padded)[:, :plan.rows]

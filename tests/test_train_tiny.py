@@ -159,3 +159,32 @@ def test_param_count_matches_model(toy):
     counts = count_params(toy["hf"])
     n = sum(x.size for x in jax.tree.leaves((toy["trainer"].params, toy["trainer"].router, toy["trainer"].bias)))
     assert counts["total"] == n
+
+
+def _eval_ppl_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "eval_ppl.py")
+    spec = importlib.util.spec_from_file_location("eval_ppl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eval_ppl_paths_agree(toy):
+    # scripts/eval_ppl.py's three teacher-forced paths score the same tokens: with fp32 weights and an fp32 cache
+    # they agree to rounding; a bf16 / fp8 cache moves the decode NLL only a little.
+    ev = _eval_ppl_module()
+    model = toy["trainer"].model(jnp.float32)
+    windows = eval_windows(toy["stream"], 24, 3)
+    fwd = ev.score_forward(model, windows, batch=3)
+    assert fwd.shape == (3, 24)
+    np.testing.assert_allclose(fwd, np.asarray(token_nll(model(jnp.asarray(windows[:, :-1])),
+                                                         jnp.asarray(windows[:, 1:]))), rtol=1e-6)
+    dec = ev.score_decode(model, windows, "float32", "xla", interpret=False)
+    pre = ev.score_prefill(model, windows, "float32", chunk=8)
+    np.testing.assert_allclose(dec, fwd, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(pre, fwd, rtol=2e-4, atol=2e-4)
+    fp8 = ev.score_decode(model, windows, "fp8_e4m3", "xla", interpret=False)
+    assert not np.allclose(fp8, fwd, rtol=1e-6, atol=1e-6)  # the fp8 cache is really in the path
+    assert abs(fp8.mean() - fwd.mean()) < 0.02 * fwd.mean()

@@ -435,7 +435,14 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       body, out_type=out_type, scratch_types=scratch, grid=(g_count, parts), grid_names=("g", "part"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers),
-      interpret=plgpu.InterpretGPUParams() if interpret else False)
+      interpret=_interpret_params(interpret))
+
+
+def _interpret_params(interpret):
+  """interpret: False (compile for the GPU), True (GPU interpret mode on CPU) or an InterpretGPUParams."""
+  if isinstance(interpret, plgpu.InterpretGPUParams):
+    return interpret
+  return plgpu.InterpretGPUParams() if interpret else False
 
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,

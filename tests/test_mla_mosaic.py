@@ -1,0 +1,160 @@
+"""mosaic_sm90 backend: split-KV schedule, combine and plan as plain JAX; the kernel in GPU interpret mode (CPU).
+
+The interpret-mode cases run the real kernel body (TMA ring, barriers, wgmma, the score swap between the two
+compute warpgroups) on NaN-poisoned caches against the float64 NumPy reference on the dequantized cache, with
+DESIGN §6's tolerances. Interpret mode is slow (~20 s a case on 2 cores), so the cases are a chosen cover:
+bf16 + ragged + zero length (one head group), fp8 + Sq=2 causal + two head groups + partial pages, and one small
+fp8 case under the race detector with a 2-slot ring that wraps.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+from pallas_kernels.mla_decode import api
+from pallas_kernels.mla_decode import mosaic_sm90 as ms
+from pallas_kernels.mla_decode.cache import MLAKVCache
+from pallas_kernels.mla_decode.mosaic_sm90_check import compare, random_problem
+from pallas_kernels.mla_decode.reference import mla_decode_numpy
+
+SCALE = 192 ** -0.5
+
+
+def f64_reference(q, cache, table, lens, causal):
+  lat, rope = cache.dequantize()
+  return mla_decode_numpy(np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope), np.asarray(table),
+                          np.asarray(lens), softmax_scale=SCALE, causal=causal, page_size=64)
+
+
+def run_kernel(q, cache, table, lens, causal, **kw):
+  out, lse = ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=causal, **kw)
+  return api.apply_output_contract(out, lse, cache, table, lens)
+
+
+# ---- schedule, combine, plan (plain JAX, fast) ---------------------------------------------------------------
+@pytest.mark.parametrize("num_parts", [1, 3, 7, 40])
+def test_schedule_covers_every_page_once(num_parts):
+  rng = np.random.default_rng(num_parts)
+  pages = rng.integers(0, 6, 13).astype(np.int32)
+  pages[[0, 5, 12]] = 0                                           # zero-length sequences, also at the ends
+  cu, sched = (np.asarray(x) for x in ms.schedule(jnp.asarray(pages), num_parts))
+  assert cu[0] == 0 and np.array_equal(np.diff(cu), pages)
+  seen = np.zeros(cu[-1], int)
+  entries = set()
+  for p, (begin, end, b_first, b_last) in enumerate(sched):
+    seen[begin:end] += 1
+    if end == begin:
+      assert b_last < b_first
+      continue
+    covered = [b for b in range(b_first, b_last + 1) if min(end, cu[b + 1]) > max(begin, cu[b])]
+    assert covered[0] == b_first and covered[-1] == b_last          # the share starts and ends inside pages
+    assert all(cu[b] <= begin < cu[b + 1] for b in [b_first])
+    for b in range(b_first, b_last + 1):
+      assert p + b not in entries                                  # partial entry p + b is unique
+      entries.add(p + b)
+  assert np.all(seen == 1)
+  assert max(entries, default=0) < num_parts + len(pages)
+
+
+def test_combine_matches_one_softmax():
+  """Partials cut by the schedule, merged by _combine, equal one softmax over each whole sequence."""
+  rng = np.random.default_rng(0)
+  lens_pages = np.array([3, 0, 1, 5, 2], np.int32)
+  parts, g, n, d = 4, 2, 8, 512
+  cu, sched = ms.schedule(jnp.asarray(lens_pages), parts)
+  cu, sched_np = np.asarray(cu), np.asarray(sched)
+  tokens = cu[-1] * 4                                              # 4 "tokens" per page is enough here
+  s = rng.standard_normal((tokens, g, n)) * 3                      # log2-domain scores
+  v = rng.standard_normal((tokens, d))
+  e_total = parts + len(lens_pages)
+  o_part = np.full((e_total, g, d, n), np.nan, np.float32)          # unwritten entries must not be read
+  lse_part = np.full((e_total, g, n), np.nan, np.float32)
+  for p, (begin, end, b0, b1) in enumerate(sched_np):
+    for b in range(b0, b1 + 1):
+      lo, hi = max(begin, cu[b]) * 4, min(end, cu[b + 1]) * 4
+      if hi <= lo:
+        continue
+      m = s[lo:hi].max(0)
+      w = np.exp2(s[lo:hi] - m)
+      o_part[p + b] = np.einsum("tgn,td->gdn", w, v[lo:hi]) / w.sum(0)[:, None, :]
+      lse_part[p + b] = m + np.log2(w.sum(0))
+  out, lse = ms._combine(jnp.asarray(o_part), jnp.asarray(lse_part), sched, len(lens_pages))
+  out, lse = np.asarray(out), np.asarray(lse)
+  for b in range(len(lens_pages)):
+    lo, hi = cu[b] * 4, cu[b + 1] * 4
+    if hi == lo:
+      assert np.all(out[b] == 0) and np.all(np.isposinf(lse[b]))
+      continue
+    m = s[lo:hi].max(0)
+    w = np.exp2(s[lo:hi] - m)
+    np.testing.assert_allclose(out[b], np.einsum("tgn,td->gdn", w, v[lo:hi]) / w.sum(0)[:, None, :],
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse[b], (m + np.log2(w.sum(0))) * np.log(2), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 20, 40, 64, 128, 256])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_plan_fits(rows, fp8):
+  plan = ms.make_plan(rows, fp8, num_parts=132)
+  assert plan.n % 8 == 0 and 8 <= plan.n <= 32 and plan.n * plan.groups >= rows
+  assert plan.n * (plan.groups - 1) < rows                         # no all-padding head group
+  assert 1 <= plan.num_stages <= 4 and plan.smem_bytes <= ms.SMEM_BUDGET
+  assert plan.split_p == (not fp8)
+
+
+def test_rejects_what_it_cannot_run():
+  with pytest.raises(ValueError, match="split_p"):
+    ms.make_plan(16, True, split_p=True)
+  with pytest.raises(ValueError, match="SMEM"):
+    ms.make_plan(32, False, num_stages=4)
+  with pytest.raises(ValueError, match="rows_per_cta"):
+    ms.make_plan(16, True, rows_per_cta=12)
+  q = jnp.zeros((1, 1, 16, 576), jnp.bfloat16)
+  small_pages = MLAKVCache.allocate(4, page_size=32, dtype="fp8_e4m3")
+  with pytest.raises(ValueError, match="page_size 64"):
+    ms.mla_decode(q, small_pages, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), softmax_scale=0.1,
+                  causal=False)
+  f32 = MLAKVCache.allocate(4, dtype="float32")
+  with pytest.raises(ValueError, match="bfloat16 and fp8_e4m3"):
+    ms.mla_decode(q, f32, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), softmax_scale=0.1,
+                  causal=False)
+
+
+def test_registered_and_never_auto_on_cpu():
+  reasons = api.available_backends("fp8_e4m3", interpret=True)
+  assert reasons["mosaic_sm90"] is None                            # interpret mode runs anywhere
+  reason = api.available_backends("fp8_e4m3")["mosaic_sm90"]
+  assert reason is not None and "9.0" in reason
+  assert "float32" in api.available_backends("float32", interpret=True)["mosaic_sm90"]
+  if jax.devices()[0].platform == "cpu":
+    t = api._device_target(jax.devices()[0], "fp8_e4m3", False)
+    assert api.select_backend("auto", t) == "xla"
+
+
+# ---- the kernel in GPU interpret mode ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,heads,sq,lens,causal,parts", [
+    ("bfloat16", 16, 1, [70, 0, 5], False, 3),          # one head group, zero length, partial pages, splits
+    ("fp8_e4m3", 20, 2, [1, 130, 64], True, 3),         # two head groups (40 rows), causal, masked dequant
+])
+def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
+  q, cache, table, lens_a = random_problem(len(lens) + heads, lens=lens, sq=sq, heads=heads, dtype=dtype)
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts)
+  ref_out, ref_lse = f64_reference(q, cache, table, lens_a, causal)
+  res = compare(out, lse, ref_out, ref_lse)
+  assert res["ok"], res
+  assert out.dtype == jnp.bfloat16 and out.shape == (len(lens), sq, heads, 512)
+  assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
+
+
+def test_kernel_interpret_no_races():
+  """Race detector on: 2 shares, a 2-slot ring that wraps (3 pages in one share), fp8 dequant + swap."""
+  q, cache, table, lens = random_problem(3, lens=[130, 2], sq=1, heads=8, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=2,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
+  assert res["ok"], res

@@ -623,10 +623,11 @@ def _hf_index(our_index: tuple, our_shape: tuple, hf_shape: tuple, transpose: bo
 
 
 def load_sharded(path, plan: ShardingPlan, dtype="float32"):
-    """(model, cfg) from an HF checkpoint directory (or a converted one: `load_converted_sharded`) with every parameter placed by the plan's rules as it is
-    read: each device's slice is read from the safetensors file directly (jax.make_array_from_callback over
-    safetensors slices), so no process holds a full copy of a sharded weight, and with several processes each
-    reads only what its own devices hold. Same checks as mla_jax.load_model (names, shapes, dtypes)."""
+    """(model, cfg) from an HF checkpoint directory (or a converted one: `load_converted_sharded`) with every
+    parameter placed by the plan's rules as it is read: each device's slice is read from the safetensors file
+    directly (jax.make_array_from_callback over safetensors slices), so no process holds a full copy of a sharded
+    weight, and with several processes each reads only what its own devices hold. Same checks as
+    mla_jax.load_model (names, shapes, dtypes)."""
     import contextlib
     import os
 
@@ -718,6 +719,14 @@ def load_sharded(path, plan: ShardingPlan, dtype="float32"):
     return model, cfg
 
 
+def _unpack_nibbles(b: jax.Array) -> jax.Array:
+    """uint8 [..., n/2] -> int4 [..., n]: element 2i is the low nibble of byte i (the converted format's packing),
+    by arithmetic, so the result does not depend on how a backend lays int4 out in memory."""
+    lo, hi = (b & 0xF).astype(jnp.int8), (b >> 4).astype(jnp.int8)
+    v = jnp.stack([lo, hi], axis=-1).reshape(*b.shape[:-1], -1)
+    return ((v ^ 8) - 8).astype(jnp.int4)                      # sign-extend the 4-bit two's complement
+
+
 def load_converted_sharded(path, plan: ShardingPlan, dtype="float32"):
     """(model, cfg) from a directory written by scripts/convert.py (mla_jax.checkpoint.converted), restored by
     orbax straight into the plan's shardings: tensorstore reads each device's slice, so no process holds a full
@@ -755,19 +764,31 @@ def load_converted_sharded(path, plan: ShardingPlan, dtype="float32"):
         if not os.path.isdir(gdir):
             raise ValueError(f"converted checkpoint {path}: weights/{group} is missing (holds tensor "
                              f"{names[0]!r}); re-run scripts/convert.py")
-        args = {}
+        args, stored = {}, {}
         for name in names:
             p, want = params[name]
-            args[name] = ocp.ArrayRestoreArgs(
-                sharding=plan.sharding(plan.param_spec(path_str(p), want.shape)), global_shape=tuple(want.shape),
-                dtype=want.dtype)
+            spec = plan.param_spec(path_str(p), want.shape)
+            shape, dtype = tuple(want.shape), want.dtype
+            if entries[name].get("stored_as") == getattr(converted, "INT4_NIBBLES", None):
+                # int4 [..., n] is stored as uint8 [..., n/2] (two per byte): restore the bytes with the same
+                # split and unpack them on the devices
+                shape, dtype = (*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)
+                if len(spec) == len(shape) and spec[-1] is not None and shape[-1] % plan.num_devices:
+                    raise ValueError(f"converted checkpoint {path}: int4 tensor {name!r} is stored two per byte "
+                                     f"({shape[-1]} bytes a row), which {plan.num_devices} devices cannot split "
+                                     "evenly; load it with a device count that divides that")
+            stored[name] = (shape, dtype, spec)
+            args[name] = ocp.ArrayRestoreArgs(sharding=plan.sharding(spec), global_shape=shape, dtype=dtype)
         arrays = ckpt.restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
         for name in names:
             p, want = params[name]
             a = arrays.pop(name)
-            if tuple(a.shape) != tuple(want.shape) or a.dtype != want.dtype:
+            shape, dtype, spec = stored[name]
+            if tuple(a.shape) != shape or a.dtype != dtype:
                 raise ValueError(f"converted checkpoint {path}: tensor {name!r} restored as {a.dtype}"
-                                 f"{tuple(a.shape)}, the model holds {want.dtype}{tuple(want.shape)}")
+                                 f"{tuple(a.shape)}, expected {dtype}{shape}")
+            if dtype != want.dtype:
+                a = jax.jit(_unpack_nibbles, out_shardings=plan.sharding(spec))(a)
             converted._variable(model, p).set_value(a)
     logger.info("restored %s sharded over %d devices (crc32 not verified in the sharded path)", path,
                 plan.num_devices)

@@ -118,7 +118,8 @@ def test_heads_and_experts_that_do_not_divide_raise_clear_errors():
 
 def test_mlp_sizes_that_do_not_divide_name_the_parameter():
     cfg = tiny_cfg(intermediate_size=60)
-    with pytest.raises(ValueError, match=r"'layers/0/mlp/(down|gate|up)_proj/kernel' of shape \((32, 60|60, 32)\) over 8 devices.*size 60"):
+    with pytest.raises(ValueError, match=r"'layers/0/mlp/(down|gate|up)_proj/kernel' of shape "
+                                         r"\((32, 60|60, 32)\) over 8 devices.*size 60"):
         specs_by_path(cfg, 8)
 
 

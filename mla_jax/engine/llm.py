@@ -15,6 +15,7 @@ normally. Pass raise_on_error=True to generate() to have it raise the first such
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -142,6 +143,9 @@ class LLM:
         self.interpret = bool(interpret)
         self.seed = seed
         self._num_requests = 0
+        # (kind, requests in the step, padded rows, seconds from scheduling to sampled tokens on the host); prefill
+        # steps that sample nothing are not waited for, so they are not recorded. For benchmarks.
+        self.step_times: collections.deque = collections.deque(maxlen=1 << 16)
 
         # Backend: resolved once, logged once (pallas_kernels' INFO line); an impossible request raises here.
         self.backend, self.backend_reason = resolve_backend(attention_backend, self.kv_cache_dtype,
@@ -362,6 +366,7 @@ class LLM:
         return list(reqs) + [None] * (B - len(reqs))
 
     def _step(self) -> list[tuple[Request, int]]:
+        t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -420,6 +425,8 @@ class LLM:
             return []
         tok, lp = self._sample_fn(logits, *self._put(*samp))
         tok, lp = np.asarray(tok), np.asarray(lp)
+        n_rows = len(tokens)
+        self.step_times.append((plan.kind, len(row_of), n_rows, time.perf_counter() - t_start))
         events = []
         now = time.perf_counter()
         for r in sampled:

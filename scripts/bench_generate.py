@@ -1,0 +1,353 @@
+"""Generation benchmarks of the engine: offline throughput and decode step latency, JSON out.
+
+Two modes (run one or both in one call):
+
+  --model DIR (default: the embedded model) with --batch-sizes 1,2,4,...: for each batch size B, LLM.generate on
+      B random prompts of --prompt-len tokens, --max-tokens new tokens each (ignore_eos). Reports output tok/s
+      (generated tokens / wall time of the timed generate call, compilation excluded by a warm-up call) and the
+      engine's decode step latency (scheduling + device step + sampling + tokens on the host; median / p10 / p90
+      over the run's decode steps with all B requests in the batch).
+
+  --v3-slice: a full-width random DeepSeek-V3 slice: --v3-layers layers at real dims (hidden 7168, 128 heads,
+      q_lora 1536, kv_lora 512, 256 experts top-8, moe_inter 2048, vocab 129280), the first --v3-dense-layers
+      dense, AWQ int4 (group 128) everywhere AWQ quantizes, bf16 activations, an fp8_e4m3 paged cache holding
+      --batch sequences of --context tokens (random latents written through MLAKVCache.write: the step's cost
+      does not depend on the values). Times the public decode_step (jitted, cache donated) for each backend in
+      --backends, checks its logits against the xla backend on the same inputs, and compares the step time with
+      its roofline: (bytes of weights the step reads + cache bytes) / 4.27 TB/s. Weights read: every layer's
+      attention weights (AWQ resident bytes of q_a/q_b/kv_a/o and the bf16 absorbed W_UK/W_UV; kv_b is not read
+      by decode), dense MLPs, router + shared experts, the routed experts the batch touches (expected number of
+      distinct experts under uniform routing: E·(1-(1-K/E)^B)), lm_head (bf16), norms; cache: B·context·656 B per
+      layer. --v3-scale tiny shrinks the dims (CPU smoke test of the same code path).
+
+    python scripts/bench_generate.py --batch-sizes 1,2,4,8,16,32,64 --out bench/results/generate_h200.json
+    python scripts/bench_generate.py --v3-slice --backends auto,triton,xla --out bench/results/generate_v3_slice_h200.json
+
+Every figure in the JSON carries the device, jax version, git commit, shapes and dtypes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
+HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (DESIGN §11)
+
+
+def run_info() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    d = jax.devices()[0]
+    return dict(device=d.device_kind, platform=d.platform, num_devices=jax.device_count(), jax=jax.__version__,
+                commit=commit, dirty_worktree=dirty, time=datetime.datetime.now().isoformat(timespec="seconds"))
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+# ---- mode 1: the engine on a checkpoint ---------------------------------------------------------------------------
+def bench_model(args, info) -> dict:
+    import mla_jax
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      attention_backend=args.attention_backend, max_num_seqs=max(batch_sizes),
+                      max_model_len=args.prompt_len + args.max_tokens + 1, interpret=args.interpret, seed=0)
+    print(f"model {args.model}: backend {llm.backend} ({llm.backend_reason}); kv cache {llm.kv_cache_dtype}",
+          flush=True)
+    rng = np.random.default_rng(0)
+    vocab = llm.cfg.vocab_size
+
+    def prompts(b):
+        return [[int(t) for t in rng.integers(3, vocab, size=args.prompt_len)] for _ in range(b)]
+
+    rows = []
+    for b in batch_sizes:
+        params = mla_jax.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts(b), mla_jax.SamplingParams(max_tokens=3, ignore_eos=True))   # compiles this bucket
+        warm_s = time.perf_counter() - t
+        llm.step_times.clear()
+        t = time.perf_counter()
+        outs = llm.generate(prompts(b), params)
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.token_ids) for o in outs)
+        dec = [s for (kind, n, _, s) in llm.step_times if kind == "decode" and n == b]
+        ttft = [o.metrics["time_to_first_token_s"] for o in outs]
+        row = dict(batch=b, prompt_len=args.prompt_len, max_tokens=args.max_tokens, output_tokens=n_out,
+                   wall_s=wall, output_tok_s=n_out / wall, warmup_s=warm_s, decode_steps=len(dec),
+                   decode_step_ms_median=1e3 * statistics.median(dec) if dec else None,
+                   decode_step_ms_p10=1e3 * pct(dec, 10) if dec else None,
+                   decode_step_ms_p90=1e3 * pct(dec, 90) if dec else None,
+                   ttft_s_mean=sum(ttft) / len(ttft), preemptions=llm.scheduler.num_preemptions)
+        rows.append(row)
+        print(f"  B={b:4d}  {row['output_tok_s']:9.1f} tok/s  decode step {row['decode_step_ms_median']:.2f} ms "
+              f"(p10 {row['decode_step_ms_p10']:.2f}, p90 {row['decode_step_ms_p90']:.2f})  ttft {row['ttft_s_mean']:.3f} s"
+              f"  (warm-up incl. compile {warm_s:.1f} s)", flush=True)
+    cfg = llm.cfg
+    return dict(mode="model", model=os.path.relpath(os.path.abspath(args.model), REPO), dtype=args.dtype,
+                kv_cache_dtype=llm.kv_cache_dtype, backend=llm.backend, backend_reason=llm.backend_reason,
+                config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                            experts=cfg.n_routed_experts, vocab=cfg.vocab_size,
+                            awq=cfg.quantization is not None),
+                rows=rows, info=info)
+
+
+# ---- mode 2: full-width random DeepSeek-V3 slice ------------------------------------------------------------------
+V3_FULL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+               num_attention_heads=128, q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8,
+               n_group=8, topk_group=4)
+V3_TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+               num_attention_heads=4, q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4,
+               n_group=4, topk_group=2)
+
+
+def v3_config(scale: str, layers: int, dense_layers: int):
+    from mla_jax.config import ModelConfig
+
+    dims = V3_FULL if scale == "full" else V3_TINY
+    d = dict(model_type="deepseek_v3", num_hidden_layers=layers, num_key_value_heads=dims["num_attention_heads"],
+             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
+             first_k_dense_replace=dense_layers, moe_layer_freq=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+             scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6, rope_theta=10000.0,
+             rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                               beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+             max_position_embeddings=163840, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+             quantization_config=dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
+                                      modules_to_not_convert=None), **dims)
+    return ModelConfig.from_hf_dict(d)
+
+
+def v3_bytes_per_step(cfg, batch: int, context: int, cache_bytes_per_token: int) -> dict:
+    """Bytes a decode step must read (the roofline's numerator), by part."""
+    from mla_jax.quant.awq import linear_resident_bytes
+
+    G = cfg.quantization.group_size
+    D, H, E, K = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok
+    I, Is = cfg.moe_intermediate_size, cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attn = (linear_resident_bytes(D, cfg.q_lora_rank, G) + linear_resident_bytes(cfg.q_lora_rank, H * qk, G)
+            + linear_resident_bytes(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, G)
+            + linear_resident_bytes(H * cfg.v_head_dim, D, G)
+            + 2 * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank       # W_UK, W_UV bf16
+            + 2 * (2 * D + cfg.q_lora_rank + cfg.kv_lora_rank))                          # norms
+    expert = 2 * linear_resident_bytes(D, I, G) + linear_resident_bytes(I, D, G)
+    touched = E * (1 - (1 - K / E) ** batch)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    dense_layers = cfg.num_hidden_layers - moe_layers
+    parts = dict(
+        attention_weights=cfg.num_hidden_layers * attn,
+        dense_mlp=dense_layers * (2 * linear_resident_bytes(D, cfg.intermediate_size, G)
+                                  + linear_resident_bytes(cfg.intermediate_size, D, G)),
+        router_and_shared=moe_layers * (4 * D * E + 4 * E + 2 * linear_resident_bytes(D, Is, G)
+                                        + linear_resident_bytes(Is, D, G)),
+        routed_experts=int(moe_layers * touched * expert),
+        embed_rows_norm_lm_head=batch * D * 2 + 2 * D + D * cfg.vocab_size * 2,
+        kv_cache=cfg.num_hidden_layers * batch * context * cache_bytes_per_token,
+    )
+    parts["total"] = sum(parts.values())
+    parts["expected_distinct_experts_per_moe_layer"] = touched
+    return parts
+
+
+def bench_v3_slice(args, info) -> dict:
+    from flax import nnx
+
+    import pallas_kernels
+    from mla_jax.engine.llm import resolve_backend
+    from mla_jax.engine.sampling import sample
+    from mla_jax.engine.steps import allocate_caches, decode_step, split_model
+    from mla_jax.model.transformer import DeepseekV3
+
+    cfg = v3_config(args.v3_scale, args.v3_layers, args.v3_dense_layers)
+    B, L, ps = args.batch, args.context, 64
+    cache_dtype = args.v3_cache_dtype
+    out = dict(mode="v3_slice", scale=args.v3_scale, layers=cfg.num_hidden_layers,
+               dense_layers=args.v3_dense_layers, batch=B, context=L, page_size=ps, dtype="bfloat16",
+               kv_cache_dtype=cache_dtype, awq_group_size=cfg.quantization.group_size,
+               config={k: getattr(cfg, k) for k in V3_FULL}, info=info, backends=[])
+
+    t = time.perf_counter()
+    model = DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, weights = split_model(model)
+    del model
+    jax.block_until_ready(weights)
+    out["weights_bytes_resident"] = int(sum(x.nbytes for x in jax.tree.leaves(weights)))
+    out["build_s"] = time.perf_counter() - t
+    print(f"v3 slice ({args.v3_scale}): {cfg.num_hidden_layers} layers, {out['weights_bytes_resident'] / 2**30:.2f} "
+          f"GiB of weights built in {out['build_s']:.1f} s", flush=True)
+
+    pages_per_seq = L // ps
+    num_pages = B * pages_per_seq + 1
+    block_table = (1 + np.arange(B * pages_per_seq, dtype=np.int32)).reshape(B, pages_per_seq)
+    t = time.perf_counter()
+    caches = allocate_caches(cfg, num_pages, page_size=ps, dtype=cache_dtype)
+
+    @jax.jit
+    def fill(cache, key):
+        # every slot of every sequence: latents ~ N(0, 1) like kv_a_layernorm's output, rope ~ N(0, 1)
+        slots = jnp.arange(ps, num_pages * ps, dtype=jnp.int32)
+        k1, k2 = jax.random.split(key)
+        lat = jax.random.normal(k1, (slots.shape[0], 512), jnp.bfloat16)
+        rope = jax.random.normal(k2, (slots.shape[0], 64), jnp.bfloat16)
+        return cache.write(slots, lat, rope)
+
+    caches = tuple(fill(c, jax.random.key(i)) for i, c in enumerate(caches))
+    jax.block_until_ready(caches)
+    out["cache_fill_s"] = time.perf_counter() - t
+    cache_bpt = caches[0].bytes_per_token
+    out["roofline_bytes"] = v3_bytes_per_step(cfg, B, L, cache_bpt)
+    out["roofline_ms"] = 1e3 * out["roofline_bytes"]["total"] / HBM_BYTES_PER_S
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=B), jnp.int32)
+    positions = jnp.full((B,), L - 1, jnp.int32)
+    slots = jnp.asarray(block_table[:, -1] * ps + (L - 1) % ps, jnp.int32)
+    seq_lens = jnp.full((B,), L, jnp.int32)
+    block_table = jnp.asarray(block_table)
+    samp = (jnp.zeros(B, jnp.float32), jnp.full(B, -1, jnp.int32), jnp.ones(B, jnp.float32),
+            jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32))
+
+    check_step = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"))
+    ref_logits = None
+    for requested in args.backends.split(","):
+        row = dict(requested=requested)
+        out["backends"].append(row)
+        try:
+            name, reason = resolve_backend(requested, cache_dtype, args.interpret)
+            row.update(backend=name, reason=reason)
+            # correctness: one step (cache not donated) against the xla backend on the same inputs
+            t = time.perf_counter()
+            _, logits = check_step(graphdef, weights, caches, tokens, positions, slots, block_table, seq_lens,
+                                   backend=name, interpret=args.interpret)
+            logits = np.asarray(logits, np.float32)
+            row["first_call_s"] = time.perf_counter() - t
+            if ref_logits is None:
+                _, ref = check_step(graphdef, weights, caches, tokens, positions, slots, block_table, seq_lens,
+                                    backend="xla", interpret=False)
+                ref_logits = np.asarray(ref, np.float32)
+            row["logits_finite"] = bool(np.isfinite(logits).all())
+            row["logits_max_abs_diff_vs_xla"] = float(np.abs(logits - ref_logits).max())
+            row["logits_rel_diff_vs_xla"] = float(np.linalg.norm(logits - ref_logits) / np.linalg.norm(ref_logits))
+            row["argmax_agree_vs_xla"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
+
+            step = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"),
+                           donate_argnums=2)
+            run_caches = jax.tree.map(jnp.copy, caches)
+            times = []
+            for i in range(args.warmup + args.iters):
+                t = time.perf_counter()
+                run_caches, logits = step(graphdef, weights, run_caches, tokens, positions, slots, block_table,
+                                          seq_lens, backend=name, interpret=args.interpret)
+                logits.block_until_ready()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t)
+            del run_caches
+            sample_fn = jax.jit(sample)
+            jax.block_until_ready(sample_fn(logits, *samp))
+            st = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                jax.block_until_ready(sample_fn(logits, *samp))
+                st.append(time.perf_counter() - t)
+            # the attention kernel alone, one layer
+            q = jax.random.normal(jax.random.key(7), (B, 1, cfg.num_attention_heads, 576), jnp.float32)
+            q = q.astype(jnp.bfloat16)
+            attn = jax.jit(lambda q, c: pallas_kernels.mla_decode(q, c, block_table, seq_lens,
+                                                                   softmax_scale=cfg.softmax_scale, backend=name,
+                                                                   interpret=args.interpret))
+            jax.block_until_ready(attn(q, caches[0]))
+            at = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                jax.block_until_ready(attn(q, caches[0]))
+                at.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            row.update(decode_step_ms_median=1e3 * med, decode_step_ms_min=1e3 * min(times),
+                       decode_step_ms_p90=1e3 * pct(times, 90), iters=len(times),
+                       sample_ms_median=1e3 * statistics.median(st),
+                       mla_decode_one_layer_ms_median=1e3 * statistics.median(at),
+                       step_over_roofline=1e3 * med / out["roofline_ms"])
+            print(f"  backend {name:12s} step {row['decode_step_ms_median']:8.2f} ms (min "
+                  f"{row['decode_step_ms_min']:.2f})  roofline {out['roofline_ms']:.2f} ms  x{row['step_over_roofline']:.2f}"
+                  f"  | mla_decode/layer {row['mla_decode_one_layer_ms_median']:.3f} ms  sample "
+                  f"{row['sample_ms_median']:.2f} ms  | logits vs xla: rel {row['logits_rel_diff_vs_xla']:.2e}, "
+                  f"argmax agree {row['argmax_agree_vs_xla']:.2f}", flush=True)
+        except Exception as e:      # report the failure of this backend, go on with the next one
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()[-3000:]
+            print(f"  backend {requested}: FAILED {row['error'][:300]}", flush=True)
+        write_json(args.out + ".partial", out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--v3-slice", action="store_true", help="benchmark the full-width random DeepSeek-V3 slice "
+                    "instead of --model")
+    ap.add_argument("--v3-scale", default="full", choices=["full", "tiny"])
+    ap.add_argument("--v3-layers", type=int, default=4)
+    ap.add_argument("--v3-dense-layers", type=int, default=1,
+                    help="leading dense layers (real V3: 3 of 61; default 1 so the slice is mostly MoE like V3)")
+    ap.add_argument("--v3-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--backends", default="auto", help="comma-separated mla_decode backends for --v3-slice")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/generate_<mode>_<device>.json)")
+    args = ap.parse_args(argv)
+    if args.v3_slice and args.context % 64:
+        ap.error("--context must be a multiple of the page size 64")
+    info = run_info()
+    if args.out is None:
+        dev = info["device"].lower().replace("nvidia ", "").replace(" ", "_")
+        args.out = os.path.join(REPO, "bench", "results",
+                                f"generate_{'v3_slice' if args.v3_slice else 'model'}_{dev}.json")
+    result = bench_v3_slice(args, info) if args.v3_slice else bench_model(args, info)
+    write_json(args.out, result)
+    if os.path.exists(args.out + ".partial"):
+        os.remove(args.out + ".partial")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

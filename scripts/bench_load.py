@@ -45,8 +45,8 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1}))
 """
 
 
-def synth_hf(dst: str, seed: int = 0) -> int:
-    """A random bf16 HF checkpoint of the SYNTH config; returns its weight bytes."""
+def synth_hf(dst: str, seed: int = 0, layers: int = 4) -> int:
+    """A random bf16 HF checkpoint of the SYNTH config with `layers` layers; returns its weight bytes."""
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
@@ -54,7 +54,8 @@ def synth_hf(dst: str, seed: int = 0) -> int:
     from mla_jax.checkpoint.hf import hf_param_map
     from mla_jax.config import ModelConfig
 
-    cfg = ModelConfig.from_hf_dict(SYNTH)
+    config = dict(SYNTH, num_hidden_layers=layers)
+    cfg = ModelConfig.from_hf_dict(config)
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, t in hf_param_map(cfg).items():
@@ -68,7 +69,7 @@ def synth_hf(dst: str, seed: int = 0) -> int:
     os.makedirs(dst)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(SYNTH, f, indent=1)
+        json.dump(config, f, indent=1)
     return sum(a.nbytes for a in tensors.values())
 
 
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--layers", default="4,16", help="synthetic model sizes (decoder layers; 4 = ~217 MB bf16)")
     args = ap.parse_args(argv)
 
     import jax
@@ -121,12 +123,13 @@ def main(argv=None) -> int:
         fx_awq = os.path.join(tmp, "fx_awq")
         quantize_checkpoint(FIXTURE, fx_awq, group_size=8)
         cases["fixture v3_yarn AWQ g8"] = fx_awq
-        synth = os.path.join(tmp, "synth")
-        synth_hf(synth)
-        cases["synthetic bf16"] = synth
-        synth_awq = os.path.join(tmp, "synth_awq")
-        quantize_checkpoint(synth, synth_awq, group_size=128)
-        cases["synthetic AWQ g128"] = synth_awq
+        for L in [int(x) for x in args.layers.split(",")]:
+            synth = os.path.join(tmp, f"synth{L}")
+            synth_hf(synth, layers=L)
+            cases[f"synthetic L{L} bf16"] = synth
+            synth_awq = os.path.join(tmp, f"synth{L}_awq")
+            quantize_checkpoint(synth, synth_awq, group_size=128)
+            cases[f"synthetic L{L} AWQ g128"] = synth_awq
         for name, src in cases.items():
             conv = os.path.join(tmp, os.path.basename(src) + "_conv")
             t0 = time.perf_counter()
@@ -146,10 +149,23 @@ def main(argv=None) -> int:
         json.dump(dict(info=info, loads=rows), f, indent=1)
     print(f"\nload_model(path, {args.dtype!r}) on {info['device']} ({info['cpus']} cpus), jax {info['jax']}, "
           f"commit {info['commit']}; median of {args.repeats} fresh processes")
-    print(f"{'case':24s} {'HF MB':>7} {'conv MB':>8} {'HF s':>7} {'conv s':>7} {'speedup':>8}")
+    print(f"{'case':26s} {'HF MB':>7} {'conv MB':>8} {'HF s':>7} {'conv s':>7} {'speedup':>8}")
     for r in rows:
-        print(f"{r['case']:24s} {r['hf_bytes'] / 1e6:7.1f} {r['converted_bytes'] / 1e6:8.1f} {r['hf_load_s']:7.2f} "
+        print(f"{r['case']:26s} {r['hf_bytes'] / 1e6:7.1f} {r['converted_bytes'] / 1e6:8.1f} {r['hf_load_s']:7.2f} "
               f"{r['converted_load_s']:7.2f} {r['speedup']:8.2f}")
+    # marginal cost between the two synthetic sizes: what a large checkpoint pays per GB of HF bytes
+    marg = {}
+    for kind in ("bf16", "AWQ g128"):
+        rs = [r for r in rows if r["case"].startswith("synthetic") and r["case"].endswith(kind)]
+        if len(rs) >= 2:
+            a, b = rs[0], rs[-1]
+            gb = (b["hf_bytes"] - a["hf_bytes"]) / 1e9
+            marg[kind] = dict(hf_s_per_gb=(b["hf_load_s"] - a["hf_load_s"]) / gb,
+                              converted_s_per_gb=(b["converted_load_s"] - a["converted_load_s"]) / gb)
+            print(f"marginal {kind:9s}: HF {marg[kind]['hf_s_per_gb']:.2f} s/GB, converted "
+                  f"{marg[kind]['converted_s_per_gb']:.2f} s/GB (per GB of HF checkpoint bytes)")
+    with open(args.out, "w") as f:
+        json.dump(dict(info=info, loads=rows, marginal=marg), f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

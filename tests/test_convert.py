@@ -65,7 +65,9 @@ def test_int4_nibble_storage_and_custom_put(dirs):
     b = converted.pack_nibbles(a)
     assert b.dtype == np.uint8 and b.shape == (3, 5, 8)
     np.testing.assert_array_equal(converted.unpack_nibbles_host(b), a)
-    np.testing.assert_array_equal(np.asarray(converted._unpack_nibbles_device(jnp.asarray(b))), a)
+    # the same bytes XLA holds for an int4 array: a bitcast of the packed bytes gives the values back
+    import jax
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.int4).reshape(a.shape)), a)
     # a caller's put sees host arrays in the model's layout (int4 unpacked), as with the HF loader
     seen = {}
 

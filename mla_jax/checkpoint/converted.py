@@ -11,7 +11,7 @@ A tensor's name is its NNX parameter path joined by dots, e.g. "layers.3.self_at
 "layers.3.mlp.experts.w_gate_qweight"; its value is exactly what the model holds (kernels [in, out], stacked
 experts [E, ...], AWQ int4 weights/zeros and fp16 scales), so loading is a read and a device_put: no transposes,
 no AWQ unpacking, no expert stacking. int4 tensors are stored two per byte (uint8, low nibble first, as XLA
-holds int4) and unpacked by a bitcast on the device. Floating-point parameters that follow the model dtype are stored in the source
+holds int4; tensorstore would write one per byte) and expanded on the host in one pass. Floating-point parameters that follow the model dtype are stored in the source
 checkpoint's dtype (the widest float dtype among them, so nothing is rounded) and cast at load, exactly as the HF
 loader casts; fixed-dtype parameters (fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the
 converter's host memory at one layer and let a loader stream.
@@ -87,14 +87,9 @@ def unpack_nibbles_host(b: np.ndarray) -> np.ndarray:
     out = np.empty((*b.shape[:-1], b.shape[-1], 2), np.int8)
     out[..., 0] = (b & 0xF).astype(np.int8)
     out[..., 1] = (b >> 4).astype(np.int8)
-    out = (out ^ 8) - 8                                      # sign-extend 4-bit two's complement
-    return out.reshape(*b.shape[:-1], -1).astype(ml_dtypes.int4)
-
-
-@jax.jit
-def _unpack_nibbles_device(b: jax.Array) -> jax.Array:
-    # XLA stores int4 two per byte with the even element in the low nibble: a bitcast, no arithmetic.
-    return jax.lax.bitcast_convert_type(b, jnp.int4).reshape(*b.shape[:-1], -1)
+    out ^= 8
+    out -= 8                                                 # sign-extend 4-bit two's complement
+    return out.reshape(*b.shape[:-1], -1).view(ml_dtypes.int4)  # int4 is one byte per element in numpy
 
 
 def _abstract_params(cfg: ModelConfig, dtype) -> tuple[nnx.Module, dict[str, tuple[tuple, Any]]]:
@@ -268,8 +263,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
                    verify_checksums: bool = True):
     """Converted directory -> (DeepseekV3 model, ModelConfig); same contract as `mla_jax.load_model`.
 
-    put(param_path, host_array) places each parameter as in the HF loader (default: jax.device_put, and int4
-    tensors go to the device packed and are unpacked there)."""
+    put(param_path, host_array) places each parameter as in the HF loader (default: jax.device_put, which,
+    unlike jnp.asarray, compiles nothing)."""
     from mla_jax.checkpoint.hf import _resolve_dtype
 
     path = os.fspath(path)
@@ -283,7 +278,6 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
     model, params = _abstract_params(cfg, jdtype)
     model_dtype = np.dtype(jdtype)
     _check_against_manifest(manifest, params, model_dtype, path)
-    default_put = put is None
     put = put or (lambda _p, a: jax.device_put(a))
     entries = manifest["tensors"]
 
@@ -316,11 +310,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
                 p, want = params[name]
                 a = arrays.pop(name)
                 if entries[name].get("stored_as") == INT4_NIBBLES:
-                    # default placement: move the packed bytes and unpack on the device (half the transfer);
-                    # a caller's put (e.g. sharded) gets the host array in the model's layout, as promised.
-                    value = (_unpack_nibbles_device(jax.device_put(a)) if default_put
-                             else put(p, unpack_nibbles_host(a)))
-                else:
-                    value = put(p, a if a.dtype == want.dtype else a.astype(want.dtype))
-                _variable(model, p).set_value(value)
+                    a = unpack_nibbles_host(a)   # one pass; cheaper than a per-shape device compile
+                elif a.dtype != want.dtype:
+                    a = a.astype(want.dtype)
+                _variable(model, p).set_value(put(p, a))
     return model, cfg

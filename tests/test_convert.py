@@ -67,7 +67,8 @@ def test_int4_nibble_storage_and_custom_put(dirs):
     np.testing.assert_array_equal(converted.unpack_nibbles_host(b), a)
     # the same bytes XLA holds for an int4 array: a bitcast of the packed bytes gives the values back
     import jax
-    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.int4).reshape(a.shape)), a)
+    as_int4 = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.int4).reshape(a.shape)
+    np.testing.assert_array_equal(np.asarray(as_int4), a)
     # a caller's put sees host arrays in the model's layout (int4 unpacked), as with the HF loader
     seen = {}
 

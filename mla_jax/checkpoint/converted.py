@@ -13,8 +13,9 @@ experts [E, ...], AWQ int4 weights/zeros and fp16 scales), so loading is a read 
 no AWQ unpacking, no expert stacking. int4 tensors are stored two per byte (uint8, low nibble first, as XLA
 holds int4; tensorstore would write one per byte) and expanded on the host in one pass. Floating-point
 parameters that follow the model dtype are stored in the source checkpoint's dtype (the widest float dtype
-among them, so nothing is rounded) and cast at load, exactly as the HF loader casts; fixed-dtype parameters (fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the
-converter's host memory at one layer and let a loader stream.
+among them, so nothing is rounded) and cast at load, exactly as the HF loader casts; fixed-dtype parameters
+(fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the converter's host memory at one layer
+and let a loader stream.
 
 `load_converted` checks names, shapes and dtypes against both the manifest and the model built from config.json,
 and (by default) each tensor's crc32, raising an error that names the bad tensor.

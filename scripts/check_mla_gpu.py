@@ -45,6 +45,8 @@ def correctness_cases(kind: str):
       ("bf16 h1 ragged", "bfloat16", 1, 1, ragged(5, 300)),
       ("fp8 h64 sq2 causal", "fp8_e4m3", 64, 2, ragged(5, 900)),
       ("fp8 h16 b64 many seqs/part", "fp8_e4m3", 16, 1, ragged(64, 2000)),
+      ("fp8 h16 sq2 causal", "fp8_e4m3", 16, 2, [1, 0] + ragged(5, 800)),
+      ("bf16 h8 sq4 causal", "bfloat16", 8, 4, [3] + ragged(4, 500)),
       ("fp8 h128 b2 L8192", "fp8_e4m3", 128, 1, [8192, 8000]),
   ]
 

@@ -99,6 +99,10 @@ def _num_sms() -> int:
   return 4
 
 
+MAX_ROWS_PER_CTA = 32          # query rows (Sq*H packed) one CTA holds; more rows -> head groups
+FUSED_HEAD_GROUPS = False      # G > 1 head groups inside one launch: wrong on the GPU so far (NOTES.md), off
+
+
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
               rows_per_cta: int | None = None, split_p: bool | None = None, auto_barriers: bool = False) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
@@ -109,7 +113,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
-  max_n = rows_per_cta or 32
+  max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
   groups = -(-rows // max_n)
@@ -461,6 +465,25 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
+  max_rows = rows_per_cta or MAX_ROWS_PER_CTA
+  if sq * heads > max_rows and not FUSED_HEAD_GROUPS:
+    # Several head groups in one launch (G > 1) gave wrong outputs on the H200 (v1 and v2; interpret mode passes,
+    # see NOTES.md): run each group of heads as its own G = 1 launch, the configuration checked on the GPU. Each
+    # launch streams the whole cache again, which costs little where this applies (h >= 64: compute-bound).
+    if sq > max_rows:
+      raise ValueError(f"mosaic_sm90 handles at most {max_rows} query tokens per sequence (Sq={sq}); "
+                       "use backend='triton' or 'xla'")
+    per_launch = max_rows // sq
+    launches = -(-heads // per_launch)
+    step = -(-heads // launches)
+    outs, lses = [], []
+    for h0 in range(0, heads, step):
+      o, l = mla_decode(q[:, :, h0:h0 + step], cache, block_table, seq_lens, softmax_scale=softmax_scale,
+                        causal=causal, interpret=interpret, num_parts=num_parts, num_stages=num_stages,
+                        rows_per_cta=rows_per_cta, split_p=split_p, auto_barriers=auto_barriers, _ablate=_ablate)
+      outs.append(o)
+      lses.append(l)
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, auto_barriers=auto_barriers)
   rows_padded = plan.n * plan.groups

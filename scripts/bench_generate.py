@@ -237,7 +237,31 @@ def bench_v3_slice(args, info) -> dict:
     samp = (jnp.zeros(B, jnp.float32), jnp.full(B, -1, jnp.int32), jnp.ones(B, jnp.float32),
             jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32))
 
-    check_step = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"))
+    # the MLP of one dense and one MoE layer alone on B decode rows (where the rest of the step goes)
+    x = jax.random.normal(jax.random.key(3), (B, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    for i in sorted({0, cfg.num_hidden_layers - 1}):
+        kind = "moe" if cfg.is_moe_layer(i) else "dense"
+        try:
+            mlp = jax.jit(lambda w, x, i=i: nnx.merge(graphdef, w.model).layers[i].mlp(x))
+            jax.block_until_ready(mlp(weights, x))
+            ts = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                jax.block_until_ready(mlp(weights, x))
+                ts.append(time.perf_counter() - t)
+            out[f"{kind}_mlp_one_layer_ms_median"] = 1e3 * statistics.median(ts)
+            print(f"  {kind} MLP (layer {i}) alone, {B} rows: {out[f'{kind}_mlp_one_layer_ms_median']:.2f} ms",
+                  flush=True)
+        except Exception as e:
+            out[f"{kind}_mlp_error"] = f"{type(e).__name__}: {e}"
+            print(f"  {kind} MLP timing FAILED: {out[f'{kind}_mlp_error'][:300]}", flush=True)
+    write_json(args.out + ".partial", out)
+
+    step = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"), donate_argnums=2)
+
+    def fresh():
+        return jax.tree.map(jnp.copy, caches)
+
     ref_logits = None
     for requested in args.backends.split(","):
         row = dict(requested=requested)
@@ -247,22 +271,20 @@ def bench_v3_slice(args, info) -> dict:
             row.update(backend=name, reason=reason)
             # correctness: one step (cache not donated) against the xla backend on the same inputs
             t = time.perf_counter()
-            _, logits = check_step(graphdef, weights, caches, tokens, positions, slots, block_table, seq_lens,
-                                   backend=name, interpret=args.interpret)
+            _, logits = step(graphdef, weights, fresh(), tokens, positions, slots, block_table, seq_lens,
+                             backend=name, interpret=args.interpret)
             logits = np.asarray(logits, np.float32)
             row["first_call_s"] = time.perf_counter() - t
             if ref_logits is None:
-                _, ref = check_step(graphdef, weights, caches, tokens, positions, slots, block_table, seq_lens,
-                                    backend="xla", interpret=False)
+                _, ref = step(graphdef, weights, fresh(), tokens, positions, slots, block_table, seq_lens,
+                              backend="xla", interpret=False)
                 ref_logits = np.asarray(ref, np.float32)
             row["logits_finite"] = bool(np.isfinite(logits).all())
             row["logits_max_abs_diff_vs_xla"] = float(np.abs(logits - ref_logits).max())
             row["logits_rel_diff_vs_xla"] = float(np.linalg.norm(logits - ref_logits) / np.linalg.norm(ref_logits))
             row["argmax_agree_vs_xla"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
 
-            step = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"),
-                           donate_argnums=2)
-            run_caches = jax.tree.map(jnp.copy, caches)
+            run_caches = fresh()
             times = []
             for i in range(args.warmup + args.iters):
                 t = time.perf_counter()

@@ -5,9 +5,14 @@
 
 Both take the model as (graphdef, weights) from `split_model(model)` and the per-layer caches as a tuple of
 `pallas_kernels.MLAKVCache` (one per decoder layer; all layers share one page numbering), and return
-(new caches, float32 logits). They have no side effects, so users can jit them (donating the caches), call them
-inside their own jax.jit / lax.while_loop / vmap-free loops, or wrap them with shard_map. The LLM class jits
-them once per batch-size bucket.
+(new caches, float32 logits). They have no side effects, so users can jit them (donating the caches) and call
+them inside their own jax.jit / lax.while_loop (tests/test_engine_steps.py drives a greedy decode that way). The
+LLM class jits them once per shape bucket. `plan` (a mla_jax.sharding.ShardingPlan) runs them over several
+devices; None = one device.
+
+The cache stores FlashMLA's 576 = latent 512 | rope 64 per token; a model with a smaller kv_lora_rank or
+qk_rope_head_dim (tests, small checkpoints) is stored zero-padded, which leaves every dot product unchanged.
+Padding rows / tokens use slot -1 (MLAKVCache.write skips it) and seq_len 0 / chunk_len 0.
 
 Shapes: B sequences (decode), N sequences × C chunk tokens (prefill), D hidden, H heads, Nn nope, R rope,
 Cl kv_lora (latent), V v_head, P block-table width (pages), ps page size.

@@ -205,7 +205,8 @@ def experts_module(kind, E=8, D=32, I=16):
     return AWQExperts(AWQConfig(bits=4, group_size=16), E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("kind,n,scatter_rows", [("dense", 2, False), ("awq", 8, True)])
+# plain Experts under EP (psum combine): through the engine tests (TP2 / TP4 MoE layers)
+@pytest.mark.parametrize("kind,n,scatter_rows", [("awq", 8, True)])
 def test_expert_parallel_matches_one_device(kind, n, scatter_rows):
     T, K, E = 16, 3, 8
     mod = experts_module(kind, E)
@@ -213,10 +214,10 @@ def test_expert_parallel_matches_one_device(kind, n, scatter_rows):
     idx = jax.random.randint(jax.random.key(12), (T, K), 0, E).astype(jnp.int32)
     idx = idx.at[:, 1].set((idx[:, 0] + 1) % E).at[:, 2].set((idx[:, 0] + 2) % E)   # distinct experts per token
     w = jax.random.uniform(jax.random.key(13), (T, K), jnp.float32)
-    want = mod(x, idx, w)
+    graphdef, state = nnx.split(mod)
+    want = jax.jit(lambda st, x, i, w: nnx.merge(graphdef, st)(x, i, w))(state, x, idx, w)
 
     pl = plan(n, dp=scatter_rows)
-    graphdef, state = nnx.split(mod)
     state = jax.device_put(state, jax.tree.map(lambda a: pl.sharding(P(AXIS)), state))   # the EXPERTS rule
     for leaf in jax.tree.leaves(state):
         assert shard_shapes(leaf) == {(E // n, *leaf.shape[1:])}
@@ -365,18 +366,17 @@ def test_llm_dp_attention_rejects_sizes_it_cannot_split():
         make_llm(tensor_parallel_size=3)
 
 
-def test_awq_experts_skip_out_of_range_expert_indices():
-    """The expert-parallel island gives AWQExperts the index E for pairs of other devices: they must add nothing
-    (and land in no tile). Same result as the call without those pairs."""
+def test_awq_experts_tiles_leave_out_out_of_range_expert_indices():
+    """The expert-parallel island gives AWQExperts the index E for pairs of other devices (that they then add
+    nothing is test_expert_parallel_matches_one_device[awq]): they must land in no tile, i.e. cost nothing."""
     from mla_jax.quant.awq import route_tiles
-    E, T = 4, 6
-    mod = experts_module("awq", E)
-    x = jax.random.normal(jax.random.key(21), (T, 32), jnp.float32)
+    E = 4
     idx = jnp.array([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], jnp.int32)
-    w = jax.random.uniform(jax.random.key(22), (T, 2), jnp.float32)
+    w = jnp.ones(idx.shape, jnp.float32)
     drop = jnp.array([[False, True], [True, True], [False, False], [True, False], [False, True], [False, False]])
-    got = mod(x, jnp.where(drop, E, idx), jnp.where(drop, 0.0, w))
-    want = mod(x, idx, jnp.where(drop, 0.0, w))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    *_, n_used = route_tiles(jnp.where(drop, E, idx), w, E, 2, 16)
-    assert int(n_used) == int((~drop).sum() // 2 + 2)          # 6 kept pairs over 4 experts, 2 rows a tile
+    tiles = jax.jit(route_tiles, static_argnums=(2, 3, 4))
+    *_, valid, n_used = tiles(jnp.where(drop, E, idx), w, E, 2, 16)
+    # 7 kept pairs, per expert 3, 2, 1, 1, in tiles of 2 rows: 2 + 1 + 1 + 1 tiles
+    assert int(n_used) == 5 and int(valid.sum()) == int((~drop).sum()) == 7
+    *_, valid_all, n_all = tiles(idx, w, E, 2, 16)
+    assert int(n_all) == 8 and int(valid_all.sum()) == 12           # all 12 pairs: 3 per expert, 2 tiles each

@@ -50,7 +50,7 @@ DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
 HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (DESIGN §11)
 
 
-def run_info() -> dict:
+def run_info(commit_override=None) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
@@ -58,6 +58,8 @@ def run_info() -> dict:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
+    if commit_override:            # e.g. on a machine that got the working tree without .git
+        commit, dirty = commit_override, None
     d = jax.devices()[0]
     return dict(device=d.device_kind, platform=d.platform, num_devices=jax.device_count(), jax=jax.__version__,
                 commit=commit, dirty_worktree=dirty, time=datetime.datetime.now().isoformat(timespec="seconds"))
@@ -354,11 +356,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="auto", help="comma-separated mla_decode backends for --v3-slice")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--commit", default=None, help="git commit to record when the tree has no .git")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/generate_<mode>_<device>.json)")
     args = ap.parse_args(argv)
     if args.v3_slice and args.context % 64:
         ap.error("--context must be a multiple of the page size 64")
-    info = run_info()
+    info = run_info(args.commit)
     if args.out is None:
         dev = info["device"].lower().replace("nvidia ", "").replace(" ", "_")
         args.out = os.path.join(REPO, "bench", "results",

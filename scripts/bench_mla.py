@@ -163,12 +163,12 @@ QUICK = dict(b=(128,), h=(16, 128), L=(4096,), sq=(1,), dtype=("bfloat16", "fp8_
 # (shape, configs) timed by --sweep: the triton kernel's knobs around its defaults.
 SWEEP = [
     ((128, 16, 4096, "fp8_e4m3"),
-     [dict(block_n=n, num_warps=w) for n in (16, 32, 64) for w in (4, 8)]
-     + [dict(block_n=32, num_stages=3), dict(block_n=64, num_stages=3)]
-     + [dict(num_splits=k) for k in (1, 2, 4, 8)] + [dict(fp8_decode="native")]),
-    ((128, 16, 4096, "bfloat16"), [dict(block_n=32), dict(block_n=64), dict(num_splits=2), dict(num_splits=4)]),
-    ((128, 128, 4096, "fp8_e4m3"), [dict(block_r=r, num_warps=w) for r in (16, 32, 64) for w in (4, 8)]
-     + [dict(fp8_decode="native")]),
+     [dict(block_n=n) for n in (16, 32, 64)] + [dict(num_warps=8), dict(num_stages=3), dict(num_stages=4)]
+     + [dict(num_splits=k) for k in (1, 2, 3, 4, 8)] + [dict(fp8_decode="native")]),
+    ((128, 16, 4096, "bfloat16"), [dict(block_n=32), dict(block_n=64), dict(num_splits=1), dict(num_splits=4)]),
+    ((128, 128, 4096, "fp8_e4m3"), [dict(block_r=r, block_n=n) for r in (16, 32, 64) for n in (16, 32)]
+     + [dict(num_warps=8), dict(num_splits=2), dict(fp8_decode="native")]),
+    ((128, 128, 4096, "bfloat16"), [dict(block_r=r) for r in (16, 32, 64)]),
 ]
 
 
@@ -266,7 +266,7 @@ def main(argv=None):
           print(f"sweep b{b} h{h} L{L} {dtype} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
           result["sweep"].append(dict(b=b, h=h, L=L, dtype=dtype, config=cfg, error=str(e)[:1000]))
           continue
-        full = {**triton_backend.default_config(b, h, L // PAGE, PAGE, interpret=False), **cfg}
+        full = {**triton_backend.default_config(b, h, L // PAGE, PAGE, interpret=False, cache_dtype=dtype), **cfg}
         print(f"sweep b{b} h{h} L{L} {dtype} {full}: {sec * 1e6:.1f} us {nbytes / sec / 1e9:.0f} GB/s", flush=True)
         result["sweep"].append(dict(b=b, h=h, L=L, dtype=dtype, config=full, us=sec * 1e6, gbps=nbytes / sec / 1e9))
       del sets
@@ -292,7 +292,8 @@ def main(argv=None):
                  us=sec * 1e6, gbps=nbytes / sec / 1e9, tflops=FLOPS_PER_QK_TOKEN * sq * h * total / sec / 1e12,
                  pct_copy=100 * nbytes / sec / 1e9 / ceiling)
       if name == "triton":
-        rec["config"] = triton_backend.default_config(b, sq * h, L // PAGE, PAGE, interpret=False)
+        rec["config"] = triton_backend.default_config(b, sq * h, L // PAGE, PAGE, interpret=False,
+                                                      cache_dtype=dtype)
       result["records"].append(rec)
       print(f"{name:12s} b{b:<4d} h{h:<4d} L{L:<6d} sq{sq} {dtype:9s} {lengths:8s} {rec['us']:9.1f} us "
             f"{rec['gbps']:7.0f} GB/s {rec['tflops']:6.1f} TFLOP/s {rec['pct_copy']:5.1f}%", flush=True)

@@ -2,20 +2,24 @@
 
 Shape of the work (DESIGN §6): query rows are (token, head) pairs, row r = i * H + h, packed into blocks of
 block_r rows (padded inside this module). Grid = (row blocks, splits, batch); program (r, s, b) walks chunk s of
-sequence b's pages (block_n tokens at a time, page looked up in the block table in-kernel) with an online softmax,
-and writes a partial (o, lse) in f32. A second step (XLA) combines the splits. The grid's first axis varies
-fastest at launch, so the row blocks sharing one stretch of cache run side by side and share it through L2.
+sequence b's pages (block_n tokens at a time, page looked up in the block table in-kernel) with an online softmax
+and writes a partial (o, lse) in f32; an XLA step combines the splits (with one split the kernel writes the
+final output). The grid's first axis varies fastest at launch, so the row blocks sharing a stretch of cache run
+side by side and share it through L2.
 
-Per chunk, for each 128-wide latent tile t (and the 64-wide RoPE part):
-  s   += (q_t . k_t^T) * scale[token, t]          fp8: k_t is e4m3 decoded to bf16 with integer ops, /256
-  o_t  = o_t * alpha + (p * scale[token, t]) . k_t   the per-token tile scale is applied to p, not to k
-so the only per-element dequantization work is the bit decode; scales touch [rows x tokens] values.
+bf16 cache: per chunk, s = q_lat . k_lat^T + q_rope . k_rope^T (bf16 MMAs, f32 accumulation), o += p . k_lat.
 
-fp8 decode without fp8 hardware (sm80 has no e4m3 conversion in Triton): the int8 pattern s|eeee|mmm,
-sign-extended to int16 and shifted left 7 then masked with 0xBF80, is the float16 s|0eeee|mmm0000000, which is
-the e4m3 value times 2^-8 exactly, subnormals included (both formats put the subnormal step at 2^-(bias-1)
-times the mantissa). The 2^8 goes into the per-tile scale. f16 -> bf16 is exact for these values.
-
+fp8 cache, decoded without fp8 hardware (sm80 has no e4m3 conversion in Triton):
+- The latent is read as int32 words, 4 e4m3 bytes each, so each 128-wide scale tile t splits into 4 byte
+  planes k = columns 128t + 4i + k (i < 32). q_lat and the output carry the same column order outside the
+  kernel (_to_byte_planes), so the kernel's MMAs run per plane.
+- Decode: the int8 pattern s|eeee|mmm, sign-extended to int16, shifted left 7 and masked with 0xBF80, is the
+  float16 s|0eeee|mmm0000000 = e4m3 value * 2^-8, exactly, subnormals included (both formats put the subnormal
+  step at 2^-(bias-1) times the mantissa). The MMAs run in f16 on these values, which needs no float
+  conversion instruction at all (a bf16 MMA would need f16 -> f32 -> bf16 per element).
+- q_lat enters as f16 times a per-row power of two (exact, _f16_rows); per-token tile scales (x 2^8) multiply
+  the [rows x tokens] scores, and for P . V they multiply p divided by the chunk's largest scale of the tile
+  (exact powers of two, so p stays <= 1 in f16), that largest scale multiplying the MMA result.
 Slots past a sequence's length are loaded masked (never read, 0 instead) and their scores selected to -inf, so
 NaN in unused slots or pages cannot reach a sum; pages past the length are never visited.
 """
@@ -43,11 +47,33 @@ _N_TILES = LATENT_DIM // FP8_TILE          # 4 tiles of 128 latent columns
 _F16_FROM_E4M3 = 256.0                     # decoded f16 = e4m3 value / 2^8
 
 
-def _e4m3_bits_to_bf16(bits: jax.Array) -> jax.Array:
-  """int8 bit patterns of float8_e4m3fn -> bfloat16 holding value / 256 (exact; integer ops only)."""
+def _e4m3_bits_to_f16(bits: jax.Array) -> jax.Array:
+  """int8 bit patterns of float8_e4m3fn -> float16 holding value / 256 (exact; integer ops only)."""
   w = bits.astype(jnp.int16)                         # sign-extend: s fills bits 15..7
   w = (w << 7) & jnp.int16(-16512)                  # 0xBF80: s -> bit 15, clear bit 14, eeeemmm -> bits 13..7
-  return lax.bitcast_convert_type(w, jnp.float16).astype(jnp.bfloat16)
+  return lax.bitcast_convert_type(w, jnp.float16)
+
+
+_WORDS = FP8_TILE // 4                     # int32 words per fp8 tile
+
+
+def _byte(words: jax.Array, k: int) -> jax.Array:
+  """Byte k (little-endian) of each int32 word, as an int8 bit pattern."""
+  return lax.shift_right_arithmetic(words << (24 - 8 * k), 24).astype(jnp.int8)
+
+
+def _to_byte_planes(x: jax.Array) -> jax.Array:
+  """[..., 512] latent column order -> byte-plane order: position 128t + 32k + i holds column 128t + 4i + k."""
+  lead = x.shape[:-1]
+  x = x.reshape(*lead, _N_TILES, _WORDS, 4)
+  return jnp.swapaxes(x, -1, -2).reshape(*lead, LATENT_DIM)
+
+
+def _from_byte_planes(x: jax.Array) -> jax.Array:
+  """Inverse of _to_byte_planes."""
+  lead = x.shape[:-1]
+  x = x.reshape(*lead, _N_TILES, 4, _WORDS)
+  return jnp.swapaxes(x, -1, -2).reshape(*lead, LATENT_DIM)
 
 
 def _dot_nt(a, b):
@@ -63,9 +89,9 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
                    fp8: bool, native_fp8: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
                    block_n: int, page_size: int, num_pages: int, max_pages: int, num_splits: int):
   if fp8:
-    scale_ref, o_ref, lse_ref = rest
+    scale_ref, q_scale_ref, o_ref, lse_ref = rest
   else:
-    scale_ref = None
+    scale_ref = q_scale_ref = None
     o_ref, lse_ref = rest
   row_block, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   chunks_per_page = page_size // block_n
@@ -83,8 +109,17 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
   else:
     limit = jnp.full((block_r,), length, jnp.int32)
 
-  q_tiles = [q_lat_ref[:, pl.ds(t * FP8_TILE, FP8_TILE)] for t in range(_N_TILES)]   # bf16 [block_r, 128]
-  q_rope = q_rope_ref[...]                                                            # bf16 [block_r, 64]
+  # Column groups: (latent tile t, q columns, width). The integer fp8 path reads the latent as int32 words, so
+  # tile t splits into 4 byte planes k (columns 128t + 4i + k, i < 32), which q_lat and the output carry
+  # permuted the same way (see _byte_plane_permutation).
+  word_fp8 = fp8 and not native_fp8
+  if word_fp8:
+    groups = [(t, t * FP8_TILE + k * _WORDS, _WORDS) for t in range(_N_TILES) for k in range(4)]
+  else:
+    groups = [(t, t * FP8_TILE, FP8_TILE) for t in range(_N_TILES)]
+  q_groups = [q_lat_ref[:, pl.ds(col, width)] for _, col, width in groups]   # [block_r, width] bf16 | f16 (fp8)
+  q_rope = q_rope_ref[...]                                                    # bf16 [block_r, 64]
+  q_scale = q_scale_ref[...] if fp8 else None                                 # f32 [block_r]: q_lat = f16 * this
 
   def body(c, carry):
     m_prev, l_prev, accs = carry
@@ -99,23 +134,31 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
     s = _dot_nt(q_rope, k_rope)                                                   # [block_r, block_n]
     ks, tile_scales = [], []
     for t in range(_N_TILES):
-      tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
-      if native_fp8:
-        # the hardware e4m3 conversion (sm89+), kept as a diagnostic of what the integer decode costs; the
-        # lowering cannot fill masked fp8 lanes with a constant, so select after converting
-        k = jnp.where(in_seq[:, None], pltriton.load(tile, mask=in_seq[:, None]).astype(jnp.bfloat16), 0)
-      else:
-        k = pltriton.load(tile, mask=in_seq[:, None], other=0)
       if fp8:
-        k = k if native_fp8 else _e4m3_bits_to_bf16(k)
         sc = pltriton.load(scale_ref.at[page, slots, jnp.int32(t)], mask=in_seq, other=0.0)
-        if not native_fp8:
-          sc = sc * _F16_FROM_E4M3
-        s = s + _dot_nt(q_tiles[t], k) * sc[None, :]
-        tile_scales.append(sc)
+        tile_scales.append(sc if native_fp8 else sc * _F16_FROM_E4M3)
+      if word_fp8:
+        words = pltriton.load(latent_ref.at[page, slots, pl.ds(t * _WORDS, _WORDS)], mask=in_seq[:, None],
+                              other=0)                                            # int32 [block_n, 32]
+        ks += [_e4m3_bits_to_f16(_byte(words, k)) for k in range(4)]
       else:
-        s = s + _dot_nt(q_tiles[t], k)
-      ks.append(k)
+        tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
+        if native_fp8:
+          # the hardware e4m3 conversion (sm89+), kept as a diagnostic of what the integer decode costs; the
+          # lowering cannot fill masked fp8 lanes with a constant, so select after converting
+          ks.append(jnp.where(in_seq[:, None], pltriton.load(tile, mask=in_seq[:, None]).astype(jnp.float16), 0))
+        else:
+          ks.append(pltriton.load(tile, mask=in_seq[:, None], other=0))
+    s_lat = None
+    for t in range(_N_TILES):
+      s_t = None
+      for g, (tg, _, _) in enumerate(groups):
+        if tg == t:
+          d = _dot_nt(q_groups[g], ks[g])
+          s_t = d if s_t is None else s_t + d
+      s_t = s_t * tile_scales[t][None, :] if fp8 else s_t
+      s_lat = s_t if s_lat is None else s_lat + s_t
+    s = s + (s_lat * q_scale[:, None] if fp8 else s_lat)
 
     visible = tok[None, :] < limit[:, None]
     s = jnp.where(visible, s * scale_log2, -jnp.inf)
@@ -124,21 +167,28 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
     alpha = jnp.exp2(m_prev - m_use)
     p = jnp.exp2(s - m_use[:, None])
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
-    new_accs = []
-    for t in range(_N_TILES):
-      pt = p * tile_scales[t][None, :] if fp8 else p
-      new_accs.append(accs[t] * alpha[:, None] + _dot_nn(pt.astype(jnp.bfloat16), ks[t]))
-    return m_new, l_new, tuple(new_accs)
+    if fp8:
+      # p * scale[token, t] in f16 would overflow for large scales: divide by the chunk's largest scale of the
+      # tile (powers of two: exact, and the result is <= p) and multiply that back in after the MMA.
+      tile_max = [jnp.max(sc) for sc in tile_scales]
+      tile_max = [jnp.where(mx > 0, mx, 1.0) for mx in tile_max]
+      p_tiles = [(p * (sc * (1.0 / mx))[None, :]).astype(jnp.float16) for sc, mx in zip(tile_scales, tile_max)]
+      new_accs = tuple(accs[g] * alpha[:, None] + tile_max[t] * _dot_nn(p_tiles[t], ks[g])
+                       for g, (t, _, _) in enumerate(groups))
+    else:
+      p_bf16 = p.astype(jnp.bfloat16)
+      new_accs = tuple(accs[g] * alpha[:, None] + _dot_nn(p_bf16, ks[g]) for g in range(len(groups)))
+    return m_new, l_new, new_accs
 
   m0 = jnp.full((block_r,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((block_r,), jnp.float32)
-  acc0 = tuple(jnp.zeros((block_r, FP8_TILE), jnp.float32) for _ in range(_N_TILES))
+  acc0 = tuple(jnp.zeros((block_r, width), jnp.float32) for _, _, width in groups)
   m, l, accs = lax.fori_loop(start, end, body, (m0, l0, acc0))
 
   seen = l > 0
   inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-  for t in range(_N_TILES):
-    o_ref[:, pl.ds(t * FP8_TILE, FP8_TILE)] = accs[t] * inv_l[:, None]
+  for (_, col, width), acc in zip(groups, accs):
+    o_ref[:, pl.ds(col, width)] = (acc * inv_l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
 
 
@@ -153,15 +203,25 @@ def _sm_count(interpret: bool) -> int:
   return int(getattr(dev, "core_count", 0) or 108)
 
 
-def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, interpret: bool) -> dict:
-  """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages."""
-  block_r = 16 if rows <= 16 else 32
-  block_n = min(64, page_size)
+def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, interpret: bool,
+                   cache_dtype: str = "fp8_e4m3") -> dict:
+  """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages.
+
+  Chosen from ptxas reports and SASS instruction counts on sm_90a (NOTES.md): 32-token chunks and 4 warps keep
+  the fp8 kernel at ~234 registers without spills (2 programs per SM); 64-row blocks for many heads so the
+  fp8 decode is shared by more rows (bf16 spills there, so 32).
+  """
+  if rows <= 16:
+    block_r = 16
+  elif rows <= 32 or cache_dtype != "fp8_e4m3":
+    block_r = 32
+  else:
+    block_r = 64
+  block_n = min(32, page_size)
   row_blocks = pl.cdiv(rows, block_r)
   max_chunks = max_pages * (page_size // block_n)
-  # Split each sequence's pages so that about two programs per SM are in flight, but keep >= 4 chunks a split.
-  want = pl.cdiv(2 * _sm_count(interpret), batch * row_blocks)
-  num_splits = max(1, min(want, pl.cdiv(max_chunks, 4)))
+  # About one wave of two programs per SM; at least 8 chunks per split (partials cost 2 * 4 * 512 B per row).
+  num_splits = max(1, min((2 * _sm_count(interpret)) // (batch * row_blocks), pl.cdiv(max_chunks, 8)))
   return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2,
               fp8_decode="int")
 
@@ -191,7 +251,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   b, sq, h, _ = q.shape
   rows = sq * h
   max_pages = block_table.shape[1]
-  cfg = default_config(b, rows, max_pages, cache.page_size, interpret=interpret)
+  cfg = default_config(b, rows, max_pages, cache.page_size, interpret=interpret, cache_dtype=cache.dtype)
   unknown = set(config) - set(cfg)
   if unknown:
     raise ValueError(f"unknown triton config keys {sorted(unknown)}; known: {sorted(cfg)}")
@@ -215,8 +275,16 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_lat, q_rope = q_rows[..., :LATENT_DIM], q_rows[..., LATENT_DIM:]
 
   fp8 = cache.dtype == "fp8_e4m3"
-  latent = lax.bitcast_convert_type(cache.latent, jnp.int8) if fp8 and not native_fp8 else cache.latent
-  operands = [block_table, seq_lens, q_lat, q_rope, latent, cache.rope] + ([cache.scale] if fp8 else [])
+  word_fp8 = fp8 and not native_fp8
+  latent = cache.latent
+  if word_fp8:
+    # 4 fp8 bytes per int32 word (a free bitcast); q and the output use the matching byte-plane column order
+    num_pages, ps, _ = latent.shape
+    latent = lax.bitcast_convert_type(latent.reshape(num_pages, ps, LATENT_DIM // 4, 4), jnp.int32)
+    q_lat = _to_byte_planes(q_lat)
+  if fp8:
+    q_lat, q_scale = _f16_rows(q_lat)
+  operands = [block_table, seq_lens, q_lat, q_rope, latent, cache.rope] + ([cache.scale, q_scale] if fp8 else [])
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda r, s, bb, _n=x.ndim: (0,) * _n)
@@ -225,10 +293,13 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
       whole(block_table), whole(seq_lens),
       pl.BlockSpec((None, block_r, LATENT_DIM), lambda r, s, bb: (bb, r, 0)),
       pl.BlockSpec((None, block_r, ROPE_DIM), lambda r, s, bb: (bb, r, 0)),
-      whole(latent), whole(cache.rope)] + ([whole(cache.scale)] if fp8 else [])
+      whole(latent), whole(cache.rope)] + (
+          [whole(cache.scale), pl.BlockSpec((None, block_r), lambda r, s, bb: (bb, r))] if fp8 else [])
   out_specs = [pl.BlockSpec((None, None, block_r, LATENT_DIM), lambda r, s, bb: (bb, s, r, 0)),
                pl.BlockSpec((None, None, block_r), lambda r, s, bb: (bb, s, r))]
-  out_shape = [jax.ShapeDtypeStruct((b, num_splits, padded, LATENT_DIM), jnp.float32),
+  # One split: the kernel writes the final output in q's dtype (no f32 partials, no combine pass).
+  out_shape = [jax.ShapeDtypeStruct((b, num_splits, padded, LATENT_DIM),
+                                    q.dtype if num_splits == 1 else jnp.float32),
                jax.ShapeDtypeStruct((b, num_splits, padded), jnp.float32)]
   kernel = functools.partial(
       _decode_kernel, fp8=fp8, native_fp8=native_fp8, num_heads=h, q_len=sq, causal=bool(causal),
@@ -243,10 +314,28 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
         name=f"mla_decode_{cache.dtype}",
     )(*operands)
 
-  out, lse = combine_splits(o_part, lse_part)               # [B, padded, 512], [B, padded]
+  if num_splits == 1:
+    out, lse = o_part[:, 0], jnp.where(lse_part[:, 0] == -jnp.inf, jnp.inf, lse_part[:, 0])
+  else:
+    out, lse = combine_splits(o_part, lse_part)             # [B, padded, 512], [B, padded]
+  if word_fp8:
+    out = _from_byte_planes(out)
   out = out[:, :rows].reshape(b, sq, h, LATENT_DIM).astype(q.dtype)
   lse = lse[:, :rows].reshape(b, sq, h).transpose(0, 2, 1)
   return out, lse
+
+
+def _f16_rows(q_lat: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """bf16 rows [..., D] -> (f16 rows, f32 row scale) with q = f16 * scale exactly.
+
+  The scale is a power of two putting each row's largest |value| in [2^13, 2^14): bf16's 8 significant bits fit
+  f16's 11, products with decoded fp8 (<= 1.75) stay far from f16 and f32 limits, and only elements below
+  2^-30 of the row's largest lose bits (their share of a dot product is below f32 rounding).
+  """
+  x = q_lat.astype(jnp.float32)
+  _, exp = jnp.frexp(jnp.max(jnp.abs(x), axis=-1))              # max < 2^exp (exp = 0 for an all-zero row)
+  shift = 14 - exp
+  return jnp.ldexp(x, shift[..., None]).astype(jnp.float16), jnp.ldexp(jnp.ones_like(x[..., 0]), -shift)
 
 
 def combine_splits(o_part: jax.Array, lse_part: jax.Array) -> tuple[jax.Array, jax.Array]:

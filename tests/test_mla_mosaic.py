@@ -109,7 +109,7 @@ def test_rejects_what_it_cannot_run():
   with pytest.raises(ValueError, match="split_p"):
     ms.make_plan(16, True, split_p=True)
   with pytest.raises(ValueError, match="SMEM"):
-    ms.make_plan(32, False, num_stages=4)
+    ms.make_plan(32, False, num_stages=4, rows_per_cta=32)
   with pytest.raises(ValueError, match="rows_per_cta"):
     ms.make_plan(16, True, rows_per_cta=12)
   q = jnp.zeros((1, 1, 16, 576), jnp.bfloat16)

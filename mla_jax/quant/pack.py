@@ -25,6 +25,7 @@ import re
 import shutil
 from typing import Iterable, Optional, Sequence
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors.numpy reads bf16 checkpoints)
 import numpy as np
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble slot k holds logical column AWQ_PACK_ORDER[k]
@@ -161,7 +162,6 @@ def quantize_checkpoint(
     `quantization_config`; other non-weight files (tokenizer, generation config) are copied. Shards keep their
     file names. Returns the quantization_config written.
     """
-    from safetensors.numpy import load_file, save_file
 
     src_dir, dst_dir = os.path.abspath(src_dir), os.path.abspath(dst_dir)
     if src_dir == dst_dir:
@@ -175,7 +175,19 @@ def quantize_checkpoint(
     if config.get("quantization_config"):
         raise ValueError(f"{src_dir} is already quantized ({config['quantization_config'].get('quant_method')})")
     files = _weight_files(src_dir)
+    final_dir, dst_dir = dst_dir, f"{dst_dir}.tmp-{os.getpid()}"   # written aside, renamed when complete
+    shutil.rmtree(dst_dir, ignore_errors=True)
     os.makedirs(dst_dir)
+    try:
+        return _write_quantized(src_dir, dst_dir, final_dir, files, config, group_size, modules_to_not_convert)
+    except BaseException:
+        shutil.rmtree(dst_dir, ignore_errors=True)
+        raise
+
+
+def _write_quantized(src_dir, dst_dir, final_dir, files, config, group_size, modules_to_not_convert) -> dict:
+    from safetensors.numpy import load_file, save_file
+
     weight_map = {}
     for fname in files:
         tensors = load_file(os.path.join(src_dir, fname))
@@ -216,4 +228,5 @@ def quantize_checkpoint(
         path = os.path.join(src_dir, entry)
         if os.path.isfile(path):
             shutil.copy2(path, os.path.join(dst_dir, entry))
+    os.rename(dst_dir, final_dir)
     return qcfg

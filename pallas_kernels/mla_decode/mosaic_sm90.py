@@ -99,8 +99,12 @@ def _num_sms() -> int:
   return 4
 
 
-MAX_ROWS_PER_CTA = 32          # query rows (Sq*H packed) one CTA holds; more rows -> head groups
-FUSED_HEAD_GROUPS = False      # G > 1 head groups inside one launch: wrong on the GPU so far (NOTES.md), off
+# Query rows (Sq*H packed) one CTA holds; more rows -> head groups. On the H200 (v1, v2, and the engine's V3-slice
+# run with 32-row launches) only 8- and 16-row CTAs with one head group gave correct results; 24/32 rows and G > 1
+# gave wrong outputs although GPU interpret mode passes (NOTES.md). Until that is found, launches stay at <= 16 rows
+# and one head group; rows_per_cta / FUSED_HEAD_GROUPS override this for experiments.
+MAX_ROWS_PER_CTA = 16
+FUSED_HEAD_GROUPS = False
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,

@@ -335,6 +335,10 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       return explicit_op(mesh, *arrays)
+    if jax.make_jaxpr(run_local)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]).effects:
+      # custom_partitioning cannot carry effects (Mosaic GPU interpret mode's ordered host callbacks):
+      # such a computation runs unpartitioned, as one program.
+      return run_local(*arrays)
     return op(*arrays)
 
   @batched_op.def_vmap

@@ -383,7 +383,7 @@ class LLM:
                 if r is None:
                     continue
                 pos = r.num_tokens - 1
-                tokens[i], positions[i], seq_lens[i] = r.all_token_ids[-1], pos, pos + 1
+                tokens[i], positions[i], seq_lens[i] = r.last_token_id, pos, pos + 1
                 slot[i] = paged.slots(r.pages, [pos], ps)[0]
             bt = paged.block_table([r.pages if r is not None else [] for r in rows], B, self.block_table_width)
             samp = self._sampling_arrays(rows, B)
@@ -424,20 +424,21 @@ class LLM:
         if not sampled:
             return []
         tok, lp = self._sample_fn(logits, *self._put(*samp))
-        tok, lp = np.asarray(tok), np.asarray(lp)
+        tok, lp = jax.device_get((tok, lp))        # one transfer for both
         n_rows = len(tokens)
         self.step_times.append((plan.kind, len(row_of), n_rows, time.perf_counter() - t_start))
         events = []
         now = time.perf_counter()
         for r in sampled:
             i = row_of[id(r)]
-            r.output_token_ids.append(int(tok[i]))
+            t = int(tok[i])
+            r.output_token_ids.append(t)
             r.output_logprobs.append(float(lp[i]))
             reason = self.scheduler.check_stop(r, self.eos_token_ids)
             if reason is not None:
                 self.scheduler.finish(r, reason)
                 r.finish_time = now
-            events.append((r, int(tok[i])))
+            events.append((r, t))
         return events
 
 

@@ -59,6 +59,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def last_token_id(self) -> int:
+        """all_token_ids[-1] without building that list."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def is_prefilling(self) -> bool:
         """True while tokens other than the newest sampled one still have to enter the cache by prefill.
 

@@ -142,7 +142,7 @@ class Scheduler:
         if prefilling and not (decoding and self._last_kind == "prefill"):
             out = SchedulerOutput("prefill", prefill=self._chunks(prefilling))
         elif decoding:
-            out = self._decode_batch()
+            out = self._decode_batch(decoding)
             if not out.decode:          # everything was preempted (cannot happen with >= 1 sequence of room)
                 return self.schedule() if self.has_unfinished() else None
         else:
@@ -173,9 +173,9 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _decode_batch(self) -> SchedulerOutput:
+    def _decode_batch(self, decoding: list[Request]) -> SchedulerOutput:
         out = SchedulerOutput("decode")
-        for req in [r for r in self.running if not r.is_prefilling]:
+        for req in decoding:
             if req.status is not Status.RUNNING:       # preempted while making room for an earlier request
                 continue
             # the step writes the newest token at position num_tokens - 1

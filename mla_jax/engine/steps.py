@@ -130,7 +130,7 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
     q_idx = jnp.arange(C, dtype=jnp.int32)
     chunk_mask = (q_idx[None, :, None] >= q_idx[None, None, :]) & (q_idx[None, None, :] < chunk_lens[:, None, None])
     if P:
-        ps = _cache_page_size(caches[0])
+        ps = caches[0].page_size
         key_pos = jnp.arange(P * ps, dtype=jnp.int32)
         prefix_valid = key_pos[None, :] < prefix_lens[:, None]                      # [N, P·ps]
         mask = jnp.concatenate(
@@ -206,7 +206,3 @@ def _pad_to(x: jax.Array, n: int) -> jax.Array:
     if x.shape[-1] == n:
         return x
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
-
-
-def _cache_page_size(cache) -> int:
-    return cache.page_size

@@ -259,10 +259,7 @@ def load_hf_weights(
             raise ValueError(f"internal: parameter {t.path} has shape {have}, converted tensor {value.shape}")
         var.set_value(put(t.path, value))
 
-    for fn in safetensors_files(path):
-        names = by_file.get(fn, [])
-        if not names:
-            continue
+    for fn, names in by_file.items():  # files in index order (read_tensor_index walked safetensors_files)
         with safe_open(fn, framework="numpy") as f:
             for name in names:
                 t = targets[name]

@@ -104,13 +104,13 @@ def validate_checkpoint_tensors(hf_name: str, in_features: int, out_features: in
             raise ValueError(f"{hf_name}.{leaf} has dtype {t.dtype}, expected {' or '.join(dtypes)}.")
 
 
-def checkpoint_to_params(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray):
-    """Checkpoint tensors -> host arrays in our layout: (q-8 int4 [in, out], z-8 int4 [in/G, out], scales fp16).
+def _int4_from_packed(packed: np.ndarray) -> np.ndarray:
+    """int32 [rows, cols/8] AWQ-packed unsigned 4-bit values -> int4 [rows, cols] holding value - 8."""
+    return (unpack_int4(packed).astype(np.int8) - INT4_OFFSET).astype(jnp.int4)
 
-    fp16 scales are kept bit-exact; bf16/fp32 scales (some exporters) are converted to fp16 only when that is
-    exact, otherwise this raises rather than change the weights."""
-    q = (unpack_int4(qweight).astype(np.int8) - INT4_OFFSET).astype(jnp.int4)
-    z = (unpack_int4(qzeros).astype(np.int8) - INT4_OFFSET).astype(jnp.int4)
+
+def _scales_to_f16(scales: np.ndarray) -> np.ndarray:
+    """AWQ scales as float16, bit-exact; raises if a bf16/fp32 value is not exactly a float16."""
     s = np.asarray(scales)
     if s.dtype != np.float16:
         s16 = s.astype(np.float16)
@@ -118,7 +118,15 @@ def checkpoint_to_params(qweight: np.ndarray, qzeros: np.ndarray, scales: np.nda
             raise ValueError(f"AWQ scales of dtype {s.dtype} are not exactly representable in float16; "
                              f"mla_jax keeps AWQ scales in float16")
         s = s16
-    return q, z, s
+    return s
+
+
+def checkpoint_to_params(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray):
+    """Checkpoint tensors -> host arrays in our layout: (q-8 int4 [in, out], z-8 int4 [in/G, out], scales fp16).
+
+    fp16 scales are kept bit-exact; bf16/fp32 scales (some exporters) are converted to fp16 only when that is
+    exact, otherwise this raises rather than change the weights."""
+    return _int4_from_packed(qweight), _int4_from_packed(qzeros), _scales_to_f16(scales)
 
 
 def _convert_packed(arr: np.ndarray, *, name: str, kind: str) -> np.ndarray:
@@ -128,12 +136,12 @@ def _convert_packed(arr: np.ndarray, *, name: str, kind: str) -> np.ndarray:
             raise ValueError(f"{name} has dtype {arr.dtype}; AWQ scales must be float16 (or exactly "
                              f"float16-representable bf16/fp32)")
         try:
-            return checkpoint_to_params(np.zeros((1, 8), np.int32), np.zeros((1, 8), np.int32), arr)[2]
+            return _scales_to_f16(arr)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     if arr.dtype != np.int32:
         raise ValueError(f"{name} has dtype {arr.dtype}; AWQ {kind} must be int32 (eight packed 4-bit values)")
-    return (unpack_int4(arr).astype(np.int8) - INT4_OFFSET).astype(jnp.int4)
+    return _int4_from_packed(arr)
 
 
 def awq_linear_targets(quant, hf_module: str, module: tuple, param: str, in_features: int, out_features: int,
@@ -142,8 +150,6 @@ def awq_linear_targets(quant, hf_module: str, module: tuple, param: str, in_feat
 
     AWQLinear params are qweight/qzeros/scales; an expert's go to the stacked AWQExperts params
     `{param}_qweight` etc. (param = w_gate / w_up / w_down) at index `expert`."""
-    from functools import partial
-
     from mla_jax.checkpoint.hf import ParamTarget
 
     check_awq_config(quant, hf_module)
@@ -155,7 +161,7 @@ def awq_linear_targets(quant, hf_module: str, module: tuple, param: str, in_feat
     for leaf, shape in shapes.items():
         name = f"{hf_module}.{leaf}"
         out[name] = ParamTarget(module, leaf if expert is None else f"{param}_{leaf}", shape, expert=expert,
-                                quantizable=True, convert=partial(_convert_packed, name=name, kind=leaf))
+                                quantizable=True, convert=functools.partial(_convert_packed, name=name, kind=leaf))
     return out
 
 

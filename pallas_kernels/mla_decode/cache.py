@@ -110,11 +110,7 @@ class MLAKVCache:
 
   @property
   def bytes_per_token(self) -> int:
-    n = self.latent.shape[-1] * jnp.dtype(self.latent.dtype).itemsize
-    n += self.rope.shape[-1] * jnp.dtype(self.rope.dtype).itemsize
-    if self.scale is not None:
-      n += self.scale.shape[-1] * jnp.dtype(self.scale.dtype).itemsize
-    return n
+    return cache_bytes_per_token(self.dtype)
 
   def validate(self) -> None:
     """Raises ValueError if the arrays do not form one of the formats above (shapes, dtypes, page_size)."""

@@ -111,7 +111,7 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
 
   # Column groups: (latent tile t, q columns, width). The integer fp8 path reads the latent as int32 words, so
   # tile t splits into 4 byte planes k (columns 128t + 4i + k, i < 32), which q_lat and the output carry
-  # permuted the same way (see _byte_plane_permutation).
+  # permuted the same way (see _to_byte_planes).
   word_fp8 = fp8 and not native_fp8
   if word_fp8:
     groups = [(t, t * FP8_TILE + k * _WORDS, _WORDS) for t in range(_N_TILES) for k in range(4)]

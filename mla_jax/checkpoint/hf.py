@@ -236,7 +236,8 @@ def load_hf_weights(
             logger.info("tie_word_embeddings=true: ignoring lm_head.weight, logits use model.embed_tokens.weight")
         else:
             raise ValueError(f"unexpected tensor {name!r} with shape {tuple(shape)} in {os.path.basename(fn)}: "
-                             f"no parameter of the model (from config.json) has that name, expected shape: none")
+                             f"no parameter of the model (from config.json) has that name, expected shape: none; "
+                             f"check that config.json belongs to this checkpoint")
     missing = [n for n in targets if n not in to_load]
     if missing:
         shown = "; ".join(f"{n} (expected shape {targets[n].hf_shape}, found: none)" for n in missing[:8])

@@ -169,7 +169,6 @@ def quantize_checkpoint(
     if os.path.exists(dst_dir):
         if not force:
             raise FileExistsError(f"{dst_dir} exists; pass force=True to overwrite it")
-        shutil.rmtree(dst_dir)
     with open(os.path.join(src_dir, "config.json")) as f:
         config = json.load(f)
     if config.get("quantization_config"):
@@ -228,5 +227,11 @@ def _write_quantized(src_dir, dst_dir, final_dir, files, config, group_size, mod
         path = os.path.join(src_dir, entry)
         if os.path.isfile(path):
             shutil.copy2(path, os.path.join(dst_dir, entry))
-    os.rename(dst_dir, final_dir)
+    if os.path.exists(final_dir):          # force=True: the old copy goes only once the new one is complete
+        old_dir = f"{final_dir}.old-{os.getpid()}"
+        os.rename(final_dir, old_dir)
+        os.rename(dst_dir, final_dir)
+        shutil.rmtree(old_dir)
+    else:
+        os.rename(dst_dir, final_dir)
     return qcfg

@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from mla_jax.checkpoint.files import replace_dir
 from mla_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -223,13 +224,7 @@ def convert_checkpoint(src, dst, *, force: bool = False, progress: bool = True) 
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        if os.path.exists(dst):
-            old = f"{tmp}.old"
-            os.rename(dst, old)
-            os.rename(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, dst)
+        replace_dir(tmp, dst)
         logger.info("converted %s -> %s: %d tensors in %.1fs", src, dst, len(params), time.perf_counter() - t0)
         return manifest
     except BaseException:

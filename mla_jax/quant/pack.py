@@ -28,6 +28,8 @@ from typing import Iterable, Optional, Sequence
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors.numpy reads bf16 checkpoints)
 import numpy as np
 
+from mla_jax.checkpoint.files import replace_dir
+
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble slot k holds logical column AWQ_PACK_ORDER[k]
 AWQ_UNPACK_SLOT = tuple(AWQ_PACK_ORDER.index(n) for n in range(8))  # = (0, 4, 1, 5, 2, 6, 3, 7)
 PACK = 8  # 4-bit values per int32
@@ -227,11 +229,5 @@ def _write_quantized(src_dir, dst_dir, final_dir, files, config, group_size, mod
         path = os.path.join(src_dir, entry)
         if os.path.isfile(path):
             shutil.copy2(path, os.path.join(dst_dir, entry))
-    if os.path.exists(final_dir):          # force=True: the old copy goes only once the new one is complete
-        old_dir = f"{final_dir}.old-{os.getpid()}"
-        os.rename(final_dir, old_dir)
-        os.rename(dst_dir, final_dir)
-        shutil.rmtree(old_dir)
-    else:
-        os.rename(dst_dir, final_dir)
+    replace_dir(dst_dir, final_dir)      # force=True: the old copy goes only once the new one is complete
     return qcfg

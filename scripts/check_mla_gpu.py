@@ -91,6 +91,9 @@ def timing_variants():
   for ab in ("stream", "nodequant"):
     v.append((f"fp8_e4m3 h16 ablate {ab}", *base, False, "mosaic_sm90", dict(_ablate=frozenset({ab}))))
   v.append(("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}))
+  v.append(("fp8_e4m3 h128 16-row launches", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+            dict(rows_per_cta=16, fuse_head_groups=False)))
+  v.append(("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}))
   return v
 
 

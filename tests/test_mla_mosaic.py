@@ -101,7 +101,7 @@ def test_plan_fits(rows, fp8):
   plan = ms.make_plan(rows, fp8, num_parts=132)
   assert plan.n % 8 == 0 and 8 <= plan.n <= 32 and plan.n * plan.groups >= rows
   assert plan.n * (plan.groups - 1) < rows                         # no all-padding head group
-  assert 1 <= plan.num_stages <= 4 and plan.smem_bytes <= ms.SMEM_BUDGET
+  assert 1 <= plan.num_stages <= 4 and plan.smem_bytes <= ms.SMEM_LIMIT
   assert plan.split_p == (not fp8)
 
 

@@ -39,7 +39,7 @@ from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
 CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
-SMEM_BUDGET = 225 * 1024      # of the H100/H200's 227 KiB per block; the rest is Mosaic's own scratch
+SMEM_LIMIT = 227 * 1024       # dynamic SMEM per block on the H100/H200
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -86,7 +86,19 @@ def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False) -> int:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
   exchange = 2 * PAGE * n * 4
   p = 2 * n * PAGE * 2 * (2 if split_p else 1)
-  return q + ring + exchange + p + 1024
+  return q + ring + exchange + p + _reduction_scratch_bytes(n) + 1024
+
+
+def _reduction_scratch_bytes(n: int) -> int:
+  """SMEM Mosaic needs to reduce a [64, n] f32 WGMMA-layout array over its 64 rows in ONE round.
+
+  Mosaic's cross-warp reductions go through one scratch region shared by every warpgroup of the CTA, in rounds of
+  as many registers as fit (4 warps x 32 lanes x 2 f32 = 1 KiB per register of 8 columns). The two compute
+  warpgroups reduce the same (bit-identical) values at the same time, which is harmless only while each reduction
+  is one round: with two rounds, one warpgroup's second round overwrites what the other still reads in its first.
+  That was the fault of every >= 24-row CTA on the H200 (the default 2 KiB holds two registers = 16 columns).
+  """
+  return max(2048, (n // 8) * 1024)
 
 
 def _num_sms() -> int:
@@ -99,12 +111,11 @@ def _num_sms() -> int:
   return 4
 
 
-# Query rows (Sq*H packed) one CTA holds; more rows -> head groups. On the H200 (v1, v2, and the engine's V3-slice
-# run with 32-row launches) only 8- and 16-row CTAs with one head group gave correct results; 24/32 rows and G > 1
-# gave wrong outputs although GPU interpret mode passes (NOTES.md). Until that is found, launches stay at <= 16 rows
-# and one head group; rows_per_cta / FUSED_HEAD_GROUPS override this for experiments.
-MAX_ROWS_PER_CTA = 16
-FUSED_HEAD_GROUPS = False
+# Query rows (Sq*H packed) one CTA holds (wgmma N); more rows -> head groups in one launch (grid axis "g").
+# FUSED_HEAD_GROUPS = False runs each group of heads as its own launch instead (the workaround used while >= 24-row
+# CTAs were wrong on the H200; the cause was the shared reduction scratch, see _reduction_scratch_bytes).
+MAX_ROWS_PER_CTA = 32
+FUSED_HEAD_GROUPS = True
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
@@ -125,10 +136,10 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   if num_stages is None:
-    num_stages = max((s for s in range(1, 5) if _smem_bytes(n, s, fp8, split_p) <= SMEM_BUDGET), default=0)
-  if num_stages < 1 or _smem_bytes(n, num_stages, fp8, split_p) > SMEM_BUDGET:
+    num_stages = max((s for s in range(1, 5) if _smem_bytes(n, s, fp8, split_p) <= SMEM_LIMIT), default=0)
+  if num_stages < 1 or _smem_bytes(n, num_stages, fp8, split_p) > SMEM_LIMIT:
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need "
-                     f"{_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, over {SMEM_BUDGET}")
+                     f"{_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, auto_barriers=bool(auto_barriers))
 
@@ -201,11 +212,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     if fp8:
       (qn_ref, qr_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref,
        qn_smem, qr_smem, ring_lat, ring_rope, ring_sc, kbuf, sx, pbuf,
-       loaded, consumed, xbar, xread, qbar) = refs
+       loaded, consumed, xbar, xread, lsync, qbar) = refs
     else:
       (qn_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref,
        qn_smem, qr_smem, ring_lat, ring_rope, sx, pbuf,
-       loaded, consumed, xbar, xread, qbar) = refs
+       loaded, consumed, xbar, xread, lsync, qbar) = refs
       sc_ref = ring_sc = kbuf = None
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
@@ -391,6 +402,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
           l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
           acc, m_i, l_acc = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          # both warpgroups past the last page's max reduction before this sum reuses Mosaic's shared reduction
+          # scratch (see _reduction_scratch_bytes)
+          plgpu.barrier_arrive(lsync)
+          plgpu.barrier_wait(lsync)
           l_i = l_acc.sum(axis=0)
           seen = l_i > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
@@ -435,6 +450,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),                           # consumed
       plgpu.Barrier(num_arrivals=2),                                                # xbar
       plgpu.Barrier(num_arrivals=2),                                                # xread
+      plgpu.Barrier(num_arrivals=2),                                                # lsync
       plgpu.Barrier(num_arrivals=1, num_barriers=3),                                # qbar
   ]
   out_type = (jax.ShapeDtypeStruct((entries * g_count, LATENT_DIM, n), jnp.float32),
@@ -442,7 +458,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=(g_count, parts), grid_names=("g", "part"),
       num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers,
+                                           reduction_scratch_bytes=_reduction_scratch_bytes(n)),
       interpret=_interpret_params(interpret))
 
 
@@ -456,10 +473,11 @@ def _interpret_params(interpret):
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None, split_p: bool | None = None,
-               auto_barriers: bool = False, _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
+               auto_barriers: bool = False, fuse_head_groups: bool | None = None,
+               _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
-  num_parts / num_stages / rows_per_cta override the plan (tests and tuning); None picks them.
+  num_parts / num_stages / rows_per_cta / fuse_head_groups override the plan (tests and tuning); None picks them.
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -470,10 +488,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   max_rows = rows_per_cta or MAX_ROWS_PER_CTA
-  if sq * heads > max_rows and not FUSED_HEAD_GROUPS:
-    # Several head groups in one launch (G > 1) gave wrong outputs on the H200 (v1 and v2; interpret mode passes,
-    # see NOTES.md): run each group of heads as its own G = 1 launch, the configuration checked on the GPU. Each
-    # launch streams the whole cache again, which costs little where this applies (h >= 64: compute-bound).
+  fuse = FUSED_HEAD_GROUPS if fuse_head_groups is None else bool(fuse_head_groups)
+  if sq * heads > max_rows and not fuse:
+    # each group of heads as its own G = 1 launch (each streams the whole cache again)
     if sq > max_rows:
       raise ValueError(f"mosaic_sm90 handles at most {max_rows} query tokens per sequence (Sq={sq}); "
                        "use backend='triton' or 'xla'")
@@ -484,7 +501,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     for h0 in range(0, heads, step):
       o, l = mla_decode(q[:, :, h0:h0 + step], cache, block_table, seq_lens, softmax_scale=softmax_scale,
                         causal=causal, interpret=interpret, num_parts=num_parts, num_stages=num_stages,
-                        rows_per_cta=rows_per_cta, split_p=split_p, auto_barriers=auto_barriers, _ablate=_ablate)
+                        rows_per_cta=rows_per_cta, split_p=split_p, auto_barriers=auto_barriers,
+                        fuse_head_groups=False, _ablate=_ablate)
       outs.append(o)
       lses.append(l)
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)

@@ -57,6 +57,30 @@ def _e4m3_bits_to_f16(bits: jax.Array) -> jax.Array:
 _WORDS = FP8_TILE // 4                     # int32 words per fp8 tile
 
 
+# PTX for 4 e4m3 bytes (one 32-bit register, byte i = element i) -> 4 f16 (two registers, element pairs) with the
+# same bits as _e4m3_bits_to_f16: prmt places byte i in the low byte of a 16-bit lane and its sign replicated
+# (selector nibble 8 + i) in the high byte (= int8 -> int16 sign extension, two lanes at once); then << 7 and
+# & 0xBF80 per lane. Bits shifted across the lane boundary land in bits 0..6, which the mask clears. 3 integer
+# instructions per pair, none of them fp8 hardware (prmt/shl/and exist on sm80).
+_E4M3X4_TO_F16X4_PTX = """{
+.reg .b32 lo, hi;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 7;
+shl.b32 hi, hi, 7;
+and.b32 $0, lo, 0xBF80BF80;
+and.b32 $1, hi, 0xBF80BF80;
+}"""
+
+
+def _e4m3_bits_to_f16_ptx(bits: jax.Array) -> jax.Array:
+  """_e4m3_bits_to_f16 for int8 bit patterns on a CUDA GPU, 4 bytes per inline-PTX call (Triton packs them)."""
+  [out] = pltriton.elementwise_inline_asm(
+      _E4M3X4_TO_F16X4_PTX, args=[bits], constraints="=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(bits.shape, jnp.float16)])
+  return out
+
+
 def _byte(words: jax.Array, k: int) -> jax.Array:
   """Byte k (little-endian) of each int32 word, as an int8 bit pattern."""
   return lax.shift_right_arithmetic(words << (24 - 8 * k), 24).astype(jnp.int8)
@@ -86,7 +110,7 @@ def _dot_nn(a, b):
 
 
 def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_ref, rope_ref, *rest,
-                   fp8: bool, native_fp8: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
+                   fp8: bool, fp8_decode: str, interpret: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
                    block_n: int, page_size: int, num_pages: int, max_pages: int, num_splits: int):
   if fp8:
     scale_ref, q_scale_ref, o_ref, lse_ref = rest
@@ -112,7 +136,8 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
   # Column groups: (latent tile t, q columns, width). The integer fp8 path reads the latent as int32 words, so
   # tile t splits into 4 byte planes k (columns 128t + 4i + k, i < 32), which q_lat and the output carry
   # permuted the same way (see _to_byte_planes).
-  word_fp8 = fp8 and not native_fp8
+  word_fp8 = fp8 and fp8_decode == "int"
+  native_fp8 = fp8 and fp8_decode == "native"
   if word_fp8:
     groups = [(t, t * FP8_TILE + k * _WORDS, _WORDS) for t in range(_N_TILES) for k in range(4)]
   else:
@@ -143,7 +168,10 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
         ks += [_e4m3_bits_to_f16(_byte(words, k)) for k in range(4)]
       else:
         tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
-        if native_fp8:
+        if fp8_decode == "ptx":
+          bits = pltriton.load(tile, mask=in_seq[:, None], other=0)              # int8 [block_n, 128]
+          ks.append(_e4m3_bits_to_f16(bits) if interpret else _e4m3_bits_to_f16_ptx(bits))
+        elif native_fp8:
           # the hardware e4m3 conversion (sm89+), kept as a diagnostic of what the integer decode costs; the
           # lowering cannot fill masked fp8 lanes with a constant, so select after converting
           ks.append(jnp.where(in_seq[:, None], pltriton.load(tile, mask=in_seq[:, None]).astype(jnp.float16), 0))
@@ -190,6 +218,9 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
   for (_, col, width), acc in zip(groups, accs):
     o_ref[:, pl.ds(col, width)] = (acc * inv_l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
+
+
+_FP8_DECODES = ("int", "ptx", "native")
 
 
 def _next_pow2(x: int) -> int:
@@ -263,10 +294,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"block_n must be a power of two >= 16 dividing page_size {cache.page_size}, got {block_n}")
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-  if cfg["fp8_decode"] not in ("int", "native"):
-    raise ValueError(f"fp8_decode must be 'int' (integer bit decode, any GPU) or 'native' (sm89+), "
-                     f"got {cfg['fp8_decode']!r}")
-  native_fp8 = cfg["fp8_decode"] == "native"
+  if cfg["fp8_decode"] not in _FP8_DECODES:
+    raise ValueError(f"fp8_decode must be one of {_FP8_DECODES} ('int': integer bit decode of int32 words in "
+                     f"jnp ops, 'ptx': the same bits by inline PTX prmt/shl/and, both any GPU; 'native': the "
+                     f"sm89+ e4m3 conversion), got {cfg['fp8_decode']!r}")
+  fp8_decode = cfg["fp8_decode"]
 
   padded = pl.cdiv(rows, block_r) * block_r
   q_rows = q.reshape(b, rows, LATENT_DIM + ROPE_DIM)
@@ -275,13 +307,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_lat, q_rope = q_rows[..., :LATENT_DIM], q_rows[..., LATENT_DIM:]
 
   fp8 = cache.dtype == "fp8_e4m3"
-  word_fp8 = fp8 and not native_fp8
+  word_fp8 = fp8 and fp8_decode == "int"
   latent = cache.latent
   if word_fp8:
     # 4 fp8 bytes per int32 word (a free bitcast); q and the output use the matching byte-plane column order
     num_pages, ps, _ = latent.shape
     latent = lax.bitcast_convert_type(latent.reshape(num_pages, ps, LATENT_DIM // 4, 4), jnp.int32)
     q_lat = _to_byte_planes(q_lat)
+  elif fp8 and fp8_decode == "ptx":
+    latent = lax.bitcast_convert_type(latent, jnp.int8)       # bit patterns, decoded in-kernel
   if fp8:
     q_lat, q_scale = _f16_rows(q_lat)
   operands = [block_table, seq_lens, q_lat, q_rope, latent, cache.rope] + ([cache.scale, q_scale] if fp8 else [])
@@ -302,7 +336,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                                     q.dtype if num_splits == 1 else jnp.float32),
                jax.ShapeDtypeStruct((b, num_splits, padded), jnp.float32)]
   kernel = functools.partial(
-      _decode_kernel, fp8=fp8, native_fp8=native_fp8, num_heads=h, q_len=sq, causal=bool(causal),
+      _decode_kernel, fp8=fp8, fp8_decode=fp8_decode, interpret=bool(interpret), num_heads=h, q_len=sq, causal=bool(causal),
       scale_log2=float(softmax_scale) * _LOG2E, block_r=block_r, block_n=block_n, page_size=cache.page_size,
       num_pages=cache.num_pages, max_pages=max_pages, num_splits=num_splits)
   with warnings.catch_warnings():

@@ -57,26 +57,47 @@ def _e4m3_bits_to_f16(bits: jax.Array) -> jax.Array:
 _WORDS = FP8_TILE // 4                     # int32 words per fp8 tile
 
 
-# PTX for 4 e4m3 bytes (one 32-bit register, byte i = element i) -> 4 f16 (two registers, element pairs) with the
-# same bits as _e4m3_bits_to_f16: prmt places byte i in the low byte of a 16-bit lane and its sign replicated
-# (selector nibble 8 + i) in the high byte (= int8 -> int16 sign extension, two lanes at once); then << 7 and
-# & 0xBF80 per lane. Bits shifted across the lane boundary land in bits 0..6, which the mask clears. 3 integer
-# instructions per pair, none of them fp8 hardware (prmt/shl/and exist on sm80).
-_E4M3X4_TO_F16X4_PTX = """{
-.reg .b32 lo, hi;
-prmt.b32 lo, $2, 0, 0x9180;
-prmt.b32 hi, $2, 0, 0xB3A2;
-shl.b32 lo, lo, 7;
-shl.b32 hi, hi, 7;
-and.b32 $0, lo, 0xBF80BF80;
-and.b32 $1, hi, 0xBF80BF80;
-}"""
+# Inline-PTX versions of _e4m3_bits_to_f16 (same bits; GPU only, interpret mode runs the jnp decode). One
+# `prmt` builds two 16-bit lanes, each holding an e4m3 byte in its low byte and that byte's sign replicated
+# (selector nibble 8 + byte index) in its high byte: the int8 -> int16 sign extension of two elements at once.
+# Then `<< 7` and `& 0xBF80` per lane as in _e4m3_bits_to_f16 (bits shifted across the lane boundary land in
+# bits 0..6, which the mask clears). 3 integer instructions per pair of elements, all on sm80 (no fp8 hardware).
+_PTX_SHIFT = 7
+_PTX_MASK = 0xBF80BF80
+
+
+def _prmt_selector(lane0_byte: int, lane1_byte: int) -> int:
+  """prmt.b32 selector: lane 0 (bits 0..15) = sign-extended byte lane0_byte of {b, a} (0..3 = a, 4..7 = b)."""
+  return lane0_byte | (8 | lane0_byte) << 4 | lane1_byte << 8 | (8 | lane1_byte) << 12
+
+
+def _pair_asm(dst: str, a: str, b: str, selector: int) -> str:
+  return (f"prmt.b32 t, {a}, {b}, {selector:#06x};\nshl.b32 t, t, {_PTX_SHIFT};\n"
+          f"and.b32 {dst}, t, {_PTX_MASK:#010x};\n")
+
+
+def _word_plane_asm(k: int) -> str:
+  """Two int32 words ($1, $2; Triton packs pack=2 consecutive elements) -> f16 of byte k of each ($0)."""
+  return "{\n.reg .b32 t;\n" + _pair_asm("$0", "$1", "$2", _prmt_selector(k, 4 + k)) + "}"
+
+
+# four bytes in one register ($2; Triton packs pack=4 int8 elements, element i = byte i) -> 4 f16 ($0, $1)
+_BYTES_ASM = ("{\n.reg .b32 t;\n" + _pair_asm("$0", "$2", "0", _prmt_selector(0, 1))
+              + _pair_asm("$1", "$2", "0", _prmt_selector(2, 3)) + "}")
+
+
+def _word_plane_ptx(words: jax.Array, k: int) -> jax.Array:
+  """_e4m3_bits_to_f16(_byte(words, k)) for int32 words, by inline PTX."""
+  [out] = pltriton.elementwise_inline_asm(
+      _word_plane_asm(k), args=[words], constraints="=r,r,r", pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
+  return out
 
 
 def _e4m3_bits_to_f16_ptx(bits: jax.Array) -> jax.Array:
-  """_e4m3_bits_to_f16 for int8 bit patterns on a CUDA GPU, 4 bytes per inline-PTX call (Triton packs them)."""
+  """_e4m3_bits_to_f16 for int8 bit patterns, by inline PTX, 4 bytes per call."""
   [out] = pltriton.elementwise_inline_asm(
-      _E4M3X4_TO_F16X4_PTX, args=[bits], constraints="=r,=r,r", pack=4,
+      _BYTES_ASM, args=[bits], constraints="=r,=r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(bits.shape, jnp.float16)])
   return out
 
@@ -136,9 +157,9 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
   # Column groups: (latent tile t, q columns, width). The integer fp8 path reads the latent as int32 words, so
   # tile t splits into 4 byte planes k (columns 128t + 4i + k, i < 32), which q_lat and the output carry
   # permuted the same way (see _to_byte_planes).
-  word_fp8 = fp8 and fp8_decode == "int"
+  word_fp8 = fp8 and fp8_decode in _WORD_DECODES
   native_fp8 = fp8 and fp8_decode == "native"
-  if word_fp8:
+  if fp8 and fp8_decode in _PLANE_DECODES:
     groups = [(t, t * FP8_TILE + k * _WORDS, _WORDS) for t in range(_N_TILES) for k in range(4)]
   else:
     groups = [(t, t * FP8_TILE, FP8_TILE) for t in range(_N_TILES)]
@@ -165,10 +186,21 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
       if word_fp8:
         words = pltriton.load(latent_ref.at[page, slots, pl.ds(t * _WORDS, _WORDS)], mask=in_seq[:, None],
                               other=0)                                            # int32 [block_n, 32]
-        ks += [_e4m3_bits_to_f16(_byte(words, k)) for k in range(4)]
+        if fp8_decode == "int" or interpret:
+          planes = [_e4m3_bits_to_f16(_byte(words, k)) for k in range(4)]
+        else:
+          planes = [_word_plane_ptx(words, k) for k in range(4)]
+        if fp8_decode in _PLANE_DECODES:
+          ks += planes                                                            # 4 x f16 [block_n, 32]
+        else:
+          # interleave the planes back into column order 4i + k: one [block_n, 128] operand per tile, so QK
+          # and PV are one MMA chain per tile (4 in all, not 16), and the tile is decoded once before Triton
+          # converts it to the two MMA operand layouts
+          pairs = [jnp.stack([planes[0], planes[2]], axis=-1), jnp.stack([planes[1], planes[3]], axis=-1)]
+          ks.append(jnp.stack(pairs, axis=-1).reshape(block_n, FP8_TILE))
       else:
         tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
-        if fp8_decode == "ptx":
+        if fp8_decode == "ptx_bytes":
           bits = pltriton.load(tile, mask=in_seq[:, None], other=0)              # int8 [block_n, 128]
           ks.append(_e4m3_bits_to_f16(bits) if interpret else _e4m3_bits_to_f16_ptx(bits))
         elif native_fp8:
@@ -220,7 +252,12 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * _LN2, -jnp.inf)
 
 
-_FP8_DECODES = ("int", "ptx", "native")
+# fp8_decode: "int" jnp integer decode of int32 words, byte-plane column order (16 column groups);
+# "ptx_planes" the same by inline PTX; "ptx_tile" PTX word decode, planes interleaved back to column order
+# (4 groups); "ptx_bytes" int8 loads in column order, PTX 4 bytes per call; "native" sm89+ e4m3 conversion.
+_FP8_DECODES = ("int", "ptx_planes", "ptx_tile", "ptx_bytes", "native")
+_WORD_DECODES = ("int", "ptx_planes", "ptx_tile")      # latent read as int32 words
+_PLANE_DECODES = ("int", "ptx_planes")                 # q_lat and the output in byte-plane column order
 
 
 def _next_pow2(x: int) -> int:
@@ -307,14 +344,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_lat, q_rope = q_rows[..., :LATENT_DIM], q_rows[..., LATENT_DIM:]
 
   fp8 = cache.dtype == "fp8_e4m3"
-  word_fp8 = fp8 and fp8_decode == "int"
+  word_fp8 = fp8 and fp8_decode in _WORD_DECODES
   latent = cache.latent
   if word_fp8:
     # 4 fp8 bytes per int32 word (a free bitcast); q and the output use the matching byte-plane column order
     num_pages, ps, _ = latent.shape
     latent = lax.bitcast_convert_type(latent.reshape(num_pages, ps, LATENT_DIM // 4, 4), jnp.int32)
+  if fp8 and fp8_decode in _PLANE_DECODES:
     q_lat = _to_byte_planes(q_lat)
-  elif fp8 and fp8_decode == "ptx":
+  elif fp8 and fp8_decode == "ptx_bytes":
     latent = lax.bitcast_convert_type(latent, jnp.int8)       # bit patterns, decoded in-kernel
   if fp8:
     q_lat, q_scale = _f16_rows(q_lat)
@@ -352,7 +390,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     out, lse = o_part[:, 0], jnp.where(lse_part[:, 0] == -jnp.inf, jnp.inf, lse_part[:, 0])
   else:
     out, lse = combine_splits(o_part, lse_part)             # [B, padded, 512], [B, padded]
-  if word_fp8:
+  if fp8 and fp8_decode in _PLANE_DECODES:
     out = _from_byte_planes(out)
   out = out[:, :rows].reshape(b, sq, h, LATENT_DIM).astype(q.dtype)
   lse = lse[:, :rows].reshape(b, sq, h).transpose(0, 2, 1)

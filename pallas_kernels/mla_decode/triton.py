@@ -17,6 +17,12 @@ fp8 cache, decoded without fp8 hardware (sm80 has no e4m3 conversion in Triton):
   float16 s|0eeee|mmm0000000 = e4m3 value * 2^-8, exactly, subnormals included (both formats put the subnormal
   step at 2^-(bias-1) times the mantissa). The MMAs run in f16 on these values, which needs no float
   conversion instruction at all (a bf16 MMA would need f16 -> f32 -> bf16 per element).
+- fp8_decode (config key) picks how: "ptx_planes" (default) computes the same bits with inline PTX, one prmt
+  (two bytes sign-extended into two 16-bit lanes at once), shl, and per pair of elements, all sm80 integer
+  instructions; "int" is the jnp form (~14 instructions per pair as LLVM emits it); "ptx_tile" interleaves the
+  planes back into column order (one MMA chain per tile), "ptx_bytes" loads int8 in column order and decodes 4
+  bytes per PTX call; "native" is the sm89+ hardware conversion (diagnostic). Interpret mode runs the jnp decode
+  for every variant (inline PTX has no CPU form); tests/test_mla_triton.py checks the PTX on a bit-level model.
 - q_lat enters as f16 times a per-row power of two (exact, _f16_rows); per-token tile scales (x 2^8) multiply
   the [rows x tokens] scores, and for P . V they multiply p divided by the chunk's largest scale of the tile
   (exact powers of two, so p stays <= 1 in f16), that largest scale multiplying the MMA result.
@@ -273,25 +279,31 @@ def _sm_count(interpret: bool) -> int:
 
 def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, interpret: bool,
                    cache_dtype: str = "fp8_e4m3") -> dict:
-  """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages.
+  """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages, fp8_decode.
 
-  Chosen from ptxas reports and SASS instruction counts on sm_90a (NOTES.md): 32-token chunks and 4 warps keep
-  the fp8 kernel at ~234 registers without spills (2 programs per SM); 64-row blocks for many heads so the
-  fp8 decode is shared by more rows (bf16 spills there, so 32).
+  Chosen offline from ptxas reports and SASS instruction counts on sm_90a, calibrated on the H200 sweep of
+  9d5d632 (NOTES.md "v4 (offline)"). fp8, up to 16 rows: the inline-PTX byte-plane decode ("ptx_planes": 3
+  instructions per pair of elements instead of ~14), 16-row blocks, 64-token chunks (fewer per-chunk costs;
+  the int decode measured 291 vs 336 us). fp8, more rows: 64-row blocks share each decoded tile, which needs 8
+  warps (4 spill: a [64, 512] f32 accumulator is 256 registers a thread) and the column-order byte decode
+  ("ptx_bytes": 4 accumulators, not 16), the one fp8 64-row kernel found (nearly) spill-free. bf16: 32-row
+  blocks for many heads (64 spills), 32-token chunks.
   """
+  fp8 = cache_dtype == "fp8_e4m3"
+  many_fp8 = fp8 and rows > 16
   if rows <= 16:
     block_r = 16
-  elif rows <= 32 or cache_dtype != "fp8_e4m3":
-    block_r = 32
-  else:
+  elif many_fp8:
     block_r = 64
-  block_n = min(32, page_size)
+  else:
+    block_r = 32
+  block_n = min(64 if fp8 and rows <= 16 else 32, page_size)
   row_blocks = pl.cdiv(rows, block_r)
   max_chunks = max_pages * (page_size // block_n)
   # About one wave of two programs per SM; at least 8 chunks per split (partials cost 2 * 4 * 512 B per row).
   num_splits = max(1, min((2 * _sm_count(interpret)) // (batch * row_blocks), pl.cdiv(max_chunks, 8)))
-  return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2,
-              fp8_decode="int")
+  return dict(block_r=block_r, block_n=block_n, num_splits=num_splits, num_warps=8 if many_fp8 else 4,
+              num_stages=2, fp8_decode="ptx_bytes" if many_fp8 else "ptx_planes")
 
 
 def check_supported(q: jax.Array, cache: MLAKVCache) -> None:

@@ -95,6 +95,32 @@ def test_combine_matches_one_softmax():
     np.testing.assert_allclose(lse[b], (m + np.log2(w.sum(0))) * np.log(2), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,groups", [(8, 1), (32, 3)])
+def test_merge_kernel_matches_xla_combine(n, groups):
+  """split_combine.merge_partials (Pallas, interpret mode) == _combine (XLA) on random partials, including
+  zero-page sequences, rows without any key (lse2 = -inf) and NaN in entries no sequence owns."""
+  rng = np.random.default_rng(n)
+  pages = np.array([3, 0, 1, 7, 2, 0], np.int32)
+  parts = 5
+  cu, sched = ms.schedule(jnp.asarray(pages), parts)
+  e_total = parts + len(pages)
+  o_part = rng.standard_normal((e_total, groups, 512, n)).astype(np.float32)
+  lse2 = (rng.standard_normal((e_total, groups, n)) * 4).astype(np.float32)
+  lse2[:, :, 0] = -np.inf                                          # row 0 never sees a key
+  lse2[2, :, 1] = -np.inf                                          # an empty partial row among full ones
+  owned = np.zeros(e_total, bool)
+  for p, (begin, end, b0, b1) in enumerate(np.asarray(sched)):
+    owned[[p + b for b in range(b0, b1 + 1)]] = end > begin
+  o_part[~owned], lse2[~owned] = np.nan, np.nan                    # entries no (share, sequence) writes
+  ref_out, ref_lse = ms._combine(jnp.asarray(o_part), jnp.asarray(lse2), sched, len(pages))
+  out, lse = ms.merge_partials(jnp.asarray(o_part.reshape(-1, 512, n)), jnp.asarray(lse2.reshape(-1, n)), cu,
+                               ms.share_pages(cu, parts).reshape(1), batch=len(pages), groups=groups,
+                               out_dtype=jnp.float32, interpret=True)
+  ref_out = np.swapaxes(np.asarray(ref_out), -1, -2).reshape(len(pages), groups * n, 512)
+  np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse).reshape(len(pages), groups * n), rtol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 20, 40, 64, 128, 256])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_plan_fits(rows, fp8):
@@ -103,7 +129,9 @@ def test_plan_fits(rows, fp8):
   assert plan.n * (plan.groups - 1) < rows                         # no all-padding head group
   assert 1 <= plan.num_stages <= 4 and plan.smem_bytes <= ms.SMEM_LIMIT
   assert plan.split_p == (not fp8)
-  assert plan.dequant_wg == (fp8 and plan.n <= 16)                # its two f16 pages fit SMEM up to 16 rows
+  assert not plan.dequant_wg and plan.n & (plan.n - 1) == 0       # N a power of two (the merge kernel's blocks)
+  if fp8 and plan.n <= 16:                                        # the dequant warpgroup's two f16 pages fit
+    assert ms.make_plan(rows, fp8, num_parts=132, dequant_wg=True).num_stages >= 1
 
 
 def test_rejects_what_it_cannot_run():

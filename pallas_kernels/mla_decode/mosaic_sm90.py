@@ -17,8 +17,8 @@ into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is n
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
-at entry p + b (unique: the (share, sequence) pairs form a staircase); `_combine` merges the partials of each
-sequence with plain XLA segment reductions. Pages and slots past a sequence's length never enter a sum: the
+at entry p + b (unique: the (share, sequence) pairs form a staircase); `split_combine.merge_partials` merges
+the partials of each sequence in one Pallas pass (`_combine` here is its plain-XLA reference). Pages and slots past a sequence's length never enter a sum: the
 table entries are never read, tail slots are zeroed by select before any product, scores past the length (or
 the causal limit) are masked to -inf by select.
 """
@@ -35,6 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
+from pallas_kernels.mla_decode.split_combine import merge_partials
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
@@ -128,7 +129,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
 
   split_p defaults to True for a bf16 cache: a bf16 P alone (FlashMLA's choice) misses DESIGN §6's out tolerance
   on elements near 0 when |V| is large. An fp8 cache computes P.V in f16 (2^-11), which meets it.
-  dequant_wg defaults to True for an fp8 cache when its two f16 pages fit SMEM (N <= 16).
+  dequant_wg (fp8, N <= 16: its two f16 pages must fit SMEM) is off unless asked for.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
@@ -139,12 +140,10 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
   groups = -(-rows // max_n)
-  n = -(-(-(-rows // groups)) // 8) * 8
+  n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
-  if dequant_wg is None:
-    dequant_wg = fp8 and _smem_bytes(n, 1, fp8, split_p, True) <= SMEM_LIMIT
-  dequant_wg = bool(dequant_wg)
+  dequant_wg = bool(dequant_wg)   # off by default: its 1-slot ring made it slower on the H200 (NOTES.md, v4)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, dequant_wg) <= SMEM_LIMIT
   if num_stages is None:
     num_stages = max((s for s in range(1, 5) if fits(s)), default=0)
@@ -157,6 +156,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
 
 
 # ---- device-side split-KV schedule -----------------------------------------------------------------------
+def share_pages(cu: jax.Array, num_parts: int) -> jax.Array:
+  """Pages per split-KV share (>= 1) for page prefix sums cu [B+1]: share p covers [p, p + 1) * this."""
+  return jnp.maximum(1, (cu[-1] + num_parts - 1) // num_parts)
+
+
 def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Array]:
   """Cuts the batch's pages (in sequence order) into num_parts equal contiguous shares.
 
@@ -166,7 +170,7 @@ def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Arr
   b = page_counts.shape[0]
   cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(page_counts, dtype=jnp.int32)])
   total = cu[b]
-  payload = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  payload = share_pages(cu, num_parts)
   p = jnp.arange(num_parts, dtype=jnp.int32)
   begin = jnp.minimum(p * payload, total)
   end = jnp.minimum(begin + payload, total)
@@ -588,12 +592,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      interpret=interpret, ablate=frozenset(_ablate))
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, table, lens, cu, sched)
-  entries = plan.num_parts + batch
-  o_part = o_part.reshape(entries, plan.groups, LATENT_DIM, plan.n)
-  lse2_part = lse2_part.reshape(entries, plan.groups, plan.n)
-  out, lse = _combine(o_part, lse2_part, sched, batch)                  # [B, G, 512, N], [B, G, N]
-  out = jnp.swapaxes(out, -1, -2).reshape(batch, rows_padded, LATENT_DIM)[:, :plan.rows]
-  lse = lse.reshape(batch, rows_padded)[:, :plan.rows]
-  out = out.reshape(batch, sq, heads, LATENT_DIM).astype(q.dtype)
-  lse = jnp.swapaxes(lse.reshape(batch, sq, heads), 1, 2)
+  payload = share_pages(cu, plan.num_parts).reshape(1)
+  out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
+                            interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]
+  out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
+  lse = jnp.swapaxes(lse[:, :plan.rows].reshape(batch, sq, heads), 1, 2)
   return out, lse

@@ -1,0 +1,90 @@
+"""One-pass merge of mosaic_sm90's split-KV partials (a Pallas Triton kernel; CPU with interpret=True).
+
+The split-KV schedule cuts the batch's pages into equal shares of `payload` pages: share p covers flat pages
+[p * payload, (p + 1) * payload), so sequence b (flat pages [cu[b], cu[b+1])) has partials from shares
+p = cu[b] // payload ... (cu[b+1] - 1) // payload, stored at entries e = p + b (see mosaic_sm90.schedule).
+Each partial is normalized (o) with its log2-domain log-sum-exp (lse2; -inf where a row saw no key), and
+
+    lse2 = log2 sum_p 2^lse2_p,     o = sum_p 2^(lse2_p - lse2) o_p.
+
+Program (b, g, d) merges sequence b, head group g, latent columns [128 d, 128 d + 128) and writes them
+transposed into the caller's row order in bf16 (rows past the query count are padding the caller slices off).
+This replaces ~10 XLA fusions (segment reductions over scatters, a transpose, casts) that cost 20-110 µs on the
+H200 (NOTES.md); mosaic_sm90._combine is the plain-XLA reference the tests compare it with.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+  warnings.simplefilter("ignore", DeprecationWarning)
+  from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.mla_decode.cache import LATENT_DIM
+
+COLS = 128          # latent columns per program
+_LN2 = math.log(2.0)
+
+
+def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int):
+  b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
+  payload = payload_ref[0]
+  p_lo = first // payload
+  p_hi = jnp.where(last > first, (last - 1) // payload, p_lo - 1)     # no pages -> no partials
+
+  def merge(p, carry):
+    m, den, acc = carry                                                # [n], [n], [COLS, n]
+    e = (p + b) * groups + g
+    l2 = lse2_ref[e, :]                                                # [n] log2 domain, -inf = no key
+    o = o_ref[e, pl.ds(d * COLS, COLS), :]                             # [COLS, n]
+    m_new = jnp.maximum(m, l2)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)                                       # 0 while nothing was seen
+    w = jnp.exp2(l2 - m_safe)                                          # 0 for an empty partial row
+    return m_new, den * alpha + w, acc * alpha[None, :] + o * w[None, :]
+
+  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros((COLS, n), jnp.float32))
+  m, den, acc = lax.fori_loop(p_lo, p_hi + 1, merge, init)
+  seen = den > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, den, 1.0), 0.0)
+  out_ref[pl.ds(g * n, n), pl.ds(d * COLS, COLS)] = (acc * inv[None, :]).T.astype(out_ref.dtype)
+
+  @pl.when(d == 0)
+  def _():
+    lse_ref[pl.ds(g * n, n)] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, jnp.inf)
+
+
+def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
+                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """o_part f32 [E*G, 512, N], lse2_part f32 [E*G, N] (entry-major, head group minor), cu int32 [B+1],
+  payload int32 [1] -> out [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key)."""
+  eg, dims, n = o_part.shape
+  if dims != LATENT_DIM or n & (n - 1) or n < 8:
+    raise ValueError(f"merge_partials needs partials [E*G, {LATENT_DIM}, N] with N a power of two >= 8, "
+                     f"got {o_part.shape}")
+
+  def whole(x):
+    return pl.BlockSpec(x.shape, lambda b, g, d, _n=x.ndim: (0,) * _n)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, groups=groups, n=n),
+        grid=(batch, groups, LATENT_DIM // COLS),
+        in_specs=[whole(cu), whole(payload), whole(o_part), whole(lse2_part)],
+        out_specs=[pl.BlockSpec((None, groups * n, LATENT_DIM), lambda b, g, d: (b, 0, 0)),
+                   pl.BlockSpec((None, groups * n), lambda b, g, d: (b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
+                   jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)],
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_decode_merge_partials",
+    )(cu, payload, o_part, lse2_part)

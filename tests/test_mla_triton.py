@@ -75,7 +75,8 @@ def test_word_plane_ptx_decodes_byte_k_of_two_words(k):
     w1, w2 = (int(x) for x in rng.integers(0, 2**32, 2, dtype=np.uint64))
     w1 = (w1 & ~(0xFF << 8 * k)) | int(byte) << 8 * k
     w2 = (w2 & ~(0xFF << 8 * k)) | int(other) << 8 * k
-    lanes = _f16_lanes(_run_asm(asm, {"$1": w1, "$2": w2})["$0"]).astype(np.float64)
+    shift = triton_backend._PTX_SHIFT                         # the run-time shift operands ($3, $4)
+    lanes = _f16_lanes(_run_asm(asm, {"$1": w1, "$2": w2, "$3": shift, "$4": shift})["$0"]).astype(np.float64)
     want_other = other.view(ml_dtypes.float8_e4m3fn).astype(np.float64) / 256.0
     np.testing.assert_array_equal(lanes, [WANT[i], want_other], err_msg=f"byte {byte:#04x} at k={k}")
 
@@ -85,13 +86,13 @@ def test_bytes_ptx_decodes_four_bytes():
   for _ in range(64):
     quad = rng.choice(FINITE, 4)
     word = int(quad.view(np.uint32)[0])                       # little-endian: element i = byte i
-    regs = _run_asm(triton_backend._BYTES_ASM, {"$2": word})
+    regs = _run_asm(triton_backend._BYTES_ASM, {"$2": word, "$3": triton_backend._PTX_SHIFT})
     got = np.concatenate([_f16_lanes(regs["$0"]), _f16_lanes(regs["$1"])]).astype(np.float64)
     np.testing.assert_array_equal(got, quad.view(ml_dtypes.float8_e4m3fn).astype(np.float64) / 256.0)
   # every byte value in every position of the register
   for pos in range(4):
     for i, byte in enumerate(FINITE):
-      regs = _run_asm(triton_backend._BYTES_ASM, {"$2": int(byte) << 8 * pos})
+      regs = _run_asm(triton_backend._BYTES_ASM, {"$2": int(byte) << 8 * pos, "$3": triton_backend._PTX_SHIFT})
       got = np.concatenate([_f16_lanes(regs["$0"]), _f16_lanes(regs["$1"])]).astype(np.float64)
       assert got[pos] == WANT[i] and not np.delete(got, pos).any()
 

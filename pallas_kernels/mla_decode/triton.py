@@ -23,6 +23,8 @@ fp8 cache, decoded without fp8 hardware (sm80 has no e4m3 conversion in Triton):
   planes back into column order (one MMA chain per tile), "ptx_bytes" loads int8 in column order and decodes 4
   bytes per PTX call; "native" is the sm89+ hardware conversion (diagnostic). Interpret mode runs the jnp decode
   for every variant (inline PTX has no CPU form); tests/test_mla_triton.py checks the PTX on a bit-level model.
+  The PTX takes its shift count from a run-time operand so that Triton decodes each tile once, where it is
+  loaded, rather than once per MMA operand layout (see _word_plane_ptx).
 - q_lat enters as f16 times a per-row power of two (exact, _f16_rows); per-token tile scales (x 2^8) multiply
   the [rows x tokens] scores, and for P . V they multiply p divided by the chunk's largest scale of the tile
   (exact powers of two, so p stays <= 1 in f16), that largest scale multiplying the MMA result.
@@ -77,33 +79,43 @@ def _prmt_selector(lane0_byte: int, lane1_byte: int) -> int:
   return lane0_byte | (8 | lane0_byte) << 4 | lane1_byte << 8 | (8 | lane1_byte) << 12
 
 
-def _pair_asm(dst: str, a: str, b: str, selector: int) -> str:
-  return (f"prmt.b32 t, {a}, {b}, {selector:#06x};\nshl.b32 t, t, {_PTX_SHIFT};\n"
+def _pair_asm(dst: str, a: str, b: str, selector: int, shift: str = str(_PTX_SHIFT)) -> str:
+  return (f"prmt.b32 t, {a}, {b}, {selector:#06x};\nshl.b32 t, t, {shift};\n"
           f"and.b32 {dst}, t, {_PTX_MASK:#010x};\n")
 
 
 def _word_plane_asm(k: int) -> str:
-  """Two int32 words ($1, $2; Triton packs pack=2 consecutive elements) -> f16 of byte k of each ($0)."""
-  return "{\n.reg .b32 t;\n" + _pair_asm("$0", "$1", "$2", _prmt_selector(k, 4 + k)) + "}"
+  """Two int32 words ($1, $2; Triton packs pack=2 consecutive elements) -> f16 of byte k of each ($0); the
+  shift count comes from a register ($3 = $4 = 7, see _word_plane_ptx)."""
+  return "{\n.reg .b32 t;\n" + _pair_asm("$0", "$1", "$2", _prmt_selector(k, 4 + k), "$3") + "}"
 
 
-# four bytes in one register ($2; Triton packs pack=4 int8 elements, element i = byte i) -> 4 f16 ($0, $1)
-_BYTES_ASM = ("{\n.reg .b32 t;\n" + _pair_asm("$0", "$2", "0", _prmt_selector(0, 1))
-              + _pair_asm("$1", "$2", "0", _prmt_selector(2, 3)) + "}")
+# four bytes in one register ($2; Triton packs pack=4 int8 elements, element i = byte i) -> 4 f16 ($0, $1); the
+# shift count from a register ($3, the first of 4 int32 shift operands, see _word_plane_ptx)
+_BYTES_ASM = ("{\n.reg .b32 t;\n" + _pair_asm("$0", "$2", "0", _prmt_selector(0, 1), "$3")
+              + _pair_asm("$1", "$2", "0", _prmt_selector(2, 3), "$3") + "}")
 
 
-def _word_plane_ptx(words: jax.Array, k: int) -> jax.Array:
-  """_e4m3_bits_to_f16(_byte(words, k)) for int32 words, by inline PTX."""
+def _word_plane_ptx(words: jax.Array, k: int, shift: jax.Array) -> jax.Array:
+  """_e4m3_bits_to_f16(_byte(words, k)) for int32 words, by inline PTX.
+
+  shift: int32, words' shape, = _PTX_SHIFT everywhere but computed at run time. It is there for Triton's
+  sake: an elementwise op whose other operands are constants gets the MMA operand layout conversion hoisted
+  above it, so the tile would be decoded once per MMA operand layout (QK's K^T and PV's V: twice, from int32
+  words ldmatrix'ed in each layout). A run-time operand keeps the decode where the words are loaded; Triton
+  then converts the decoded f16 tile to both operand layouts through shared memory (SASS: 64 prmt per
+  thread per 32-token chunk instead of 128, 183 registers instead of 234).
+  """
   [out] = pltriton.elementwise_inline_asm(
-      _word_plane_asm(k), args=[words], constraints="=r,r,r", pack=2,
+      _word_plane_asm(k), args=[words, shift], constraints="=r,r,r,r,r", pack=2,
       result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)])
   return out
 
 
-def _e4m3_bits_to_f16_ptx(bits: jax.Array) -> jax.Array:
-  """_e4m3_bits_to_f16 for int8 bit patterns, by inline PTX, 4 bytes per call."""
+def _e4m3_bits_to_f16_ptx(bits: jax.Array, shift: jax.Array) -> jax.Array:
+  """_e4m3_bits_to_f16 for int8 bit patterns, by inline PTX, 4 bytes per call; shift as in _word_plane_ptx."""
   [out] = pltriton.elementwise_inline_asm(
-      _BYTES_ASM, args=[bits], constraints="=r,=r,r", pack=4,
+      _BYTES_ASM, args=[bits, shift], constraints="=r,=r,r,r,r,r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(bits.shape, jnp.float16)])
   return out
 
@@ -195,7 +207,9 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
         if fp8_decode == "int" or interpret:
           planes = [_e4m3_bits_to_f16(_byte(words, k)) for k in range(4)]
         else:
-          planes = [_word_plane_ptx(words, k) for k in range(4)]
+          # = _PTX_SHIFT (tok >= 0), but not a constant to Triton (see _word_plane_ptx)
+          shift = jnp.broadcast_to((_PTX_SHIFT + jnp.minimum(tok, 0))[:, None], words.shape)
+          planes = [_word_plane_ptx(words, k, shift) for k in range(4)]
         if fp8_decode in _PLANE_DECODES:
           ks += planes                                                            # 4 x f16 [block_n, 32]
         else:
@@ -208,7 +222,11 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
         tile = latent_ref.at[page, slots, pl.ds(t * FP8_TILE, FP8_TILE)]
         if fp8_decode == "ptx_bytes":
           bits = pltriton.load(tile, mask=in_seq[:, None], other=0)              # int8 [block_n, 128]
-          ks.append(_e4m3_bits_to_f16(bits) if interpret else _e4m3_bits_to_f16_ptx(bits))
+          if interpret:
+            ks.append(_e4m3_bits_to_f16(bits))
+          else:
+            shift = jnp.broadcast_to((_PTX_SHIFT + jnp.minimum(tok, 0))[:, None], bits.shape)
+            ks.append(_e4m3_bits_to_f16_ptx(bits, shift))
         elif native_fp8:
           # the hardware e4m3 conversion (sm89+), kept as a diagnostic of what the integer decode costs; the
           # lowering cannot fill masked fp8 lanes with a constant, so select after converting
@@ -283,11 +301,12 @@ def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, int
 
   Chosen offline from ptxas reports and SASS instruction counts on sm_90a, calibrated on the H200 sweep of
   9d5d632 (NOTES.md "v4 (offline)"). fp8, up to 16 rows: the inline-PTX byte-plane decode ("ptx_planes": 3
-  instructions per pair of elements instead of ~14), 16-row blocks, 64-token chunks (fewer per-chunk costs;
-  the int decode measured 291 vs 336 us). fp8, more rows: 64-row blocks share each decoded tile, which needs 8
-  warps (4 spill: a [64, 512] f32 accumulator is 256 registers a thread) and the column-order byte decode
-  ("ptx_bytes": 4 accumulators, not 16), the one fp8 64-row kernel found (nearly) spill-free. bf16: 32-row
-  blocks for many heads (64 spills), 32-token chunks.
+  instructions per pair of elements instead of ~14, each tile decoded once instead of once per MMA operand),
+  16-row blocks, 64-token chunks (fewer per-chunk costs; the int decode measured 291 vs 336 us with them).
+  fp8, more rows: 64-row blocks share each decoded tile, which needs 8 warps (at 4 a [64, 512] f32 accumulator
+  is 256 registers a thread; 32 rows at 4 warps makes ptxas collapse to 32 registers and 13 KB of spills) and
+  the column-order byte decode ("ptx_bytes": 4 accumulators, not 16): the one fp8 64-row kernel found nearly
+  spill-free. bf16: 32-row blocks for many heads (64 spills), 32-token chunks.
   """
   fp8 = cache_dtype == "fp8_e4m3"
   many_fp8 = fp8 and rows > 16

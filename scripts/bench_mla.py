@@ -173,8 +173,9 @@ SWEEP = [
     # fp8 h128: {} = default (ptx_bytes r64 n32 w8); int r64 n16 w4 = the 9d5d632 best (1,940 us)
     ((128, 128, 4096, "fp8_e4m3"),
      [{}, dict(block_n=16), dict(block_r=32), dict(fp8_decode="ptx_planes", block_r=16, num_warps=4),
-      dict(fp8_decode="ptx_planes", block_n=16), dict(fp8_decode="ptx_tile"),
-      dict(fp8_decode="int", block_n=16, num_warps=4, num_splits=1), dict(fp8_decode="native")]),
+      dict(fp8_decode="ptx_planes", block_r=16, num_warps=4, block_n=64),
+      dict(fp8_decode="ptx_planes", block_r=16, num_warps=4, block_n=64, num_stages=1),
+      dict(fp8_decode="ptx_tile"), dict(fp8_decode="int", block_n=16, num_warps=4, num_splits=1)]),
     ((128, 128, 4096, "bfloat16"), [dict(block_r=r) for r in (16, 32, 64)]),
 ]
 

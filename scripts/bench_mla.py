@@ -206,6 +206,7 @@ def main(argv=None):
   ap.add_argument("--backends", default=None, help="comma list (default: every available one)")
   ap.add_argument("--sweep", action="store_true", help="also time triton kernel configurations")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
+  ap.add_argument("--batches", default=None, help="comma list overriding the grid's batch sizes (split long runs)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--commit", default=None, help="git commit of the code (default: git rev-parse HEAD)")
   args = ap.parse_args(argv)
@@ -280,7 +281,9 @@ def main(argv=None):
       del sets
       save()
 
-  grid = QUICK if args.quick else GRID
+  grid = dict(QUICK if args.quick else GRID)
+  if args.batches:
+    grid["b"] = tuple(int(x) for x in args.batches.split(","))
   for b, h, L, sq, dtype, lengths in itertools.product(*grid.values()):
     sets, totals = zip(*[make_inputs(seed, b, h, sq, L, dtype, lengths) for seed in (1, 2)])
     total = sum(totals) / len(totals)

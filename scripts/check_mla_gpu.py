@@ -107,7 +107,7 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
   print(f"[time] copy ceiling {copy['tb_per_s']:.3f} TB/s ({copy['method']})", flush=True)
   problems = {}
   for name, dtype, heads, sq, batch, length, ragged, backend, kw in timing_variants():
-    if only and only not in name:
+    if only and name not in only.split(","):
       continue
     rng = np.random.default_rng(7)
     lens = (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
@@ -154,7 +154,7 @@ def main():
   ap.add_argument("--out", default="bench/results/mla_mosaic_check.json")
   ap.add_argument("--cases", default="full", choices=["full", "tiny", "none"])
   ap.add_argument("--timing", action="store_true")
-  ap.add_argument("--only", default=None, help="time only variants whose name contains this")
+  ap.add_argument("--only", default=None, help="time only these variants (comma list of exact names)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
   ap.add_argument("--commit", default=None)

@@ -299,24 +299,23 @@ def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, int
                    cache_dtype: str = "fp8_e4m3") -> dict:
   """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages, fp8_decode.
 
-  Chosen offline from ptxas reports and SASS instruction counts on sm_90a, calibrated on the H200 sweep of
-  9d5d632 (NOTES.md "v4 (offline)"). fp8, up to 16 rows: the inline-PTX byte-plane decode ("ptx_planes": 3
-  instructions per pair of elements instead of ~14, each tile decoded once instead of once per MMA operand),
-  16-row blocks, 64-token chunks (fewer per-chunk costs; the int decode measured 291 vs 336 us with them).
-  fp8, more rows: 64-row blocks share each decoded tile, which needs 8 warps (at 4 a [64, 512] f32 accumulator
-  is 256 registers a thread; 32 rows at 4 warps makes ptxas collapse to 32 registers and 13 KB of spills) and
-  the column-order byte decode ("ptx_bytes": 4 accumulators, not 16): the one fp8 64-row kernel found nearly
-  spill-free. bf16: 32-row blocks for many heads (64 spills), 32-token chunks.
+  Measured on the H200 (sweep of commit 22fa9ff, NOTES.md "v4 measured"), b128 L4096. fp8: the inline-PTX
+  byte-plane decode ("ptx_planes": 3 instructions per pair of elements, each tile decoded once) with 16-row blocks
+  and 32-token chunks: h16 260 us (64-token chunks 343 us, the int decode 338 us). Up to 32 rows (h16 Sq2) the
+  same kernel runs two row blocks that share the cache through L2 (h128 measured 228 us per 16-row block).
+  More rows: 64-row blocks share each decoded tile, which needs 8 warps (at 4 a [64, 512] f32 accumulator is 256
+  registers a thread) and the column-order byte decode ("ptx_bytes", 4 accumulators): h128 1,663 us, the best of
+  the fp8 h128 sweep. bf16: 32-row blocks for many heads (64 spills), 32-token chunks.
   """
   fp8 = cache_dtype == "fp8_e4m3"
-  many_fp8 = fp8 and rows > 16
-  if rows <= 16:
+  many_fp8 = fp8 and rows > 32
+  if rows <= 16 or (fp8 and not many_fp8):
     block_r = 16
   elif many_fp8:
     block_r = 64
   else:
     block_r = 32
-  block_n = min(64 if fp8 and rows <= 16 else 32, page_size)
+  block_n = min(32, page_size)
   row_blocks = pl.cdiv(rows, block_r)
   max_chunks = max_pages * (page_size // block_n)
   # About one wave of two programs per SM; at least 8 chunks per split (partials cost 2 * 4 * 512 B per row).

@@ -48,6 +48,9 @@ def correctness_cases(kind: str):
       ("fp8 h16 sq2 causal", "fp8_e4m3", 16, 2, [1, 0] + ragged(5, 800)),
       ("bf16 h8 sq4 causal", "bfloat16", 8, 4, [3] + ragged(4, 500)),
       ("fp8 h128 b2 L8192", "fp8_e4m3", 128, 1, [8192, 8000]),
+      # several sequences per share with several head groups (the engine's h128 decode; not checked before e989f89)
+      ("fp8 h128 b48 many seqs/part", "fp8_e4m3", 128, 1, ragged(48, 1500)),
+      ("bf16 h64 sq2 b40 many seqs/part causal", "bfloat16", 64, 2, ragged(40, 1200)),
   ]
 
 

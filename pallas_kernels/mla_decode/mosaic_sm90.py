@@ -18,9 +18,13 @@ into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is n
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
 at entry p + b (unique: the (share, sequence) pairs form a staircase); `split_combine.merge_partials` merges
-the partials of each sequence in one Pallas pass (`_combine` here is its plain-XLA reference). Pages and slots past a sequence's length never enter a sum: the
-table entries are never read, tail slots are zeroed by select before any product, scores past the length (or
-the causal limit) are masked to -inf by select.
+the partials of each sequence in one Pallas pass (`_combine` here is its plain-XLA reference). Pages and slots
+past a sequence's length never enter a sum: the table entries are never read, tail slots are zeroed by select
+before any product, scores past the length (or the causal limit) are masked to -inf by select.
+
+fp8 dequant runs in the compute warpgroups by default; `dequant_wg=True` moves it to a 4th warpgroup that fills
+two alternating f16 pages (N <= 16; measured slower on the H200, NOTES.md v4). Register budgets are set per
+warpgroup (producer 40, dequant 96, compute 232 or 184).
 """
 from __future__ import annotations
 

@@ -149,8 +149,9 @@ def _dot_nn(a, b):
 
 
 def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_ref, rope_ref, *rest,
-                   fp8: bool, fp8_decode: str, interpret: bool, num_heads: int, q_len: int, causal: bool, scale_log2: float, block_r: int,
-                   block_n: int, page_size: int, num_pages: int, max_pages: int, num_splits: int):
+                   fp8: bool, fp8_decode: str, interpret: bool, num_heads: int, q_len: int, causal: bool,
+                   scale_log2: float, block_r: int, block_n: int, page_size: int, num_pages: int, max_pages: int,
+                   num_splits: int):
   if fp8:
     scale_ref, q_scale_ref, o_ref, lse_ref = rest
   else:
@@ -362,9 +363,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
   if cfg["fp8_decode"] not in _FP8_DECODES:
-    raise ValueError(f"fp8_decode must be one of {_FP8_DECODES} ('int': integer bit decode of int32 words in "
-                     f"jnp ops, 'ptx': the same bits by inline PTX prmt/shl/and, both any GPU; 'native': the "
-                     f"sm89+ e4m3 conversion), got {cfg['fp8_decode']!r}")
+    raise ValueError(f"fp8_decode must be one of {_FP8_DECODES} ('int': integer bit decode in jnp ops; 'ptx_*': "
+                     f"the same bits by inline PTX prmt/shl/and -- all of these run on any sm80+ GPU; 'native': "
+                     f"the sm89+ e4m3 conversion), got {cfg['fp8_decode']!r}")
   fp8_decode = cfg["fp8_decode"]
 
   padded = pl.cdiv(rows, block_r) * block_r
@@ -404,9 +405,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                                     q.dtype if num_splits == 1 else jnp.float32),
                jax.ShapeDtypeStruct((b, num_splits, padded), jnp.float32)]
   kernel = functools.partial(
-      _decode_kernel, fp8=fp8, fp8_decode=fp8_decode, interpret=bool(interpret), num_heads=h, q_len=sq, causal=bool(causal),
-      scale_log2=float(softmax_scale) * _LOG2E, block_r=block_r, block_n=block_n, page_size=cache.page_size,
-      num_pages=cache.num_pages, max_pages=max_pages, num_splits=num_splits)
+      _decode_kernel, fp8=fp8, fp8_decode=fp8_decode, interpret=bool(interpret), num_heads=h, q_len=sq,
+      causal=bool(causal), scale_log2=float(softmax_scale) * _LOG2E, block_r=block_r, block_n=block_n,
+      page_size=cache.page_size, num_pages=cache.num_pages, max_pages=max_pages, num_splits=num_splits)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     o_part, lse_part = pl.pallas_call(

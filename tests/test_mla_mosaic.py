@@ -134,6 +134,20 @@ def test_plan_fits(rows, fp8):
     assert ms.make_plan(rows, fp8, num_parts=132, dequant_wg=True).num_stages >= 1
 
 
+@pytest.mark.parametrize("rows", [1, 9, 16, 20, 33, 128])
+def test_reductions_fit_one_round_of_scratch(rows):
+  """The kernel reduces [64, N] f32 WGMMA-layout scores over the 64 tokens (cross-warp). Mosaic does that through
+  one SMEM scratch region shared by both compute warpgroups, in rounds of as many registers as fit; with two
+  rounds the warpgroups overwrite each other's slots (wrong results on the H200 at N >= 24, never in interpret
+  mode). Guard: for every N the plan can pick, one round holds all registers, computed from Mosaic's own layout."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  n = ms.make_plan(rows, True, num_parts=8).n
+  layout = fa.WGMMA_LAYOUT
+  registers = int(np.prod(layout.reduce((0,)).registers_shape((n,))))
+  bytes_per_register = 4 * 32 * layout.vector_length * 4            # warps x lanes x vector x f32
+  assert registers * bytes_per_register <= ms._reduction_scratch_bytes(n)
+
+
 def test_rejects_what_it_cannot_run():
   with pytest.raises(ValueError, match="split_p"):
     ms.make_plan(16, True, split_p=True)

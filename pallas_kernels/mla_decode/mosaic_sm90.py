@@ -219,7 +219,7 @@ def _combine(o_part, lse2_part, sched, batch: int):
 
 # ---- the kernel ------------------------------------------------------------------------------------------
 def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float,
-                interpret: bool, ablate: frozenset = frozenset()):
+                num_pages: int, interpret: bool, ablate: frozenset = frozenset()):
   """ablate (timing experiments only, results are wrong): 'stream' = compute warpgroups only wait for and
   release pages; 'nodequant' = fp8 pages are not dequantized (stale f16 tile); 'noswap' = no score swap."""
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
@@ -339,7 +339,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         def _():
           plgpu.barrier_wait(consumed.at[slot])
 
-        pg = bt_ref[b, j]
+        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
         for w in range(2):
           plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w], loaded.at[slot])
         plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
@@ -403,7 +403,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           bg = b * g_count + grp              # (sequence, head group) row of q: a leading-dim TMA index
           plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(w * HALF, HALF)], qn_smem.at[w], qbar.at[w])
           if w == 0:
-            plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar.at[2])
+            plgpu.copy_gmem_to_smem(qr_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar.at[2])
           plgpu.barrier_wait(qbar.at[w])
           if w == 0:
             plgpu.barrier_wait(qbar.at[2])
@@ -586,16 +586,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if rows_padded != plan.rows:
     qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))
   qf = qf.reshape(batch * plan.groups, plan.n, LATENT_DIM + ROPE_DIM)    # row b*G + g: sequence b, head group g
-  q_nope = qf[..., :LATENT_DIM].astype(jnp.float16 if fp8 else jnp.bfloat16)
-  q_rope = qf[..., LATENT_DIM:]
+  # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and rope columns straight from these
+  q_nope = qf[..., :LATENT_DIM].astype(jnp.float16) if fp8 else qf
   max_pages = block_table.shape[1]
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  table = jnp.clip(block_table, 0, cache.num_pages - 1)
   cu, sched = schedule((lens + PAGE - 1) // PAGE, plan.num_parts)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
-                     interpret=interpret, ablate=frozenset(_ablate))
+                     num_pages=cache.num_pages, interpret=interpret, ablate=frozenset(_ablate))
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
-  o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, table, lens, cu, sched)
+  o_part, lse2_part = call(q_nope, qf, *cache_arrays, block_table, lens, cu, sched)
   payload = share_pages(cu, plan.num_parts).reshape(1)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]

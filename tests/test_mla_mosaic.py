@@ -95,9 +95,26 @@ def test_combine_matches_one_softmax():
     np.testing.assert_allclose(lse[b], (m + np.log2(w.sum(0))) * np.log(2), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,num_parts", [(1, 1), (7, 3), (13, 40), (130, 132), (5, 33)])
+def test_schedule_kernel_matches_xla(batch, num_parts):
+  """split_kv.schedule_kernel (Pallas, interpret mode) == schedule (XLA): prefix sums, payload, every share's
+  (begin, end, b_first, b_last), with zero-length sequences (also at both ends), lengths past a page boundary,
+  more shares than pages, and a batch over one 128-sequence chunk."""
+  rng = np.random.default_rng(batch * 1000 + num_parts)
+  lens = rng.integers(0, 700, batch).astype(np.int32)
+  lens[rng.random(batch) < 0.3] = 0
+  lens[[0, -1]] = 0 if batch > 2 else lens[[0, -1]]
+  cu_ref, sched_ref = (np.asarray(x) for x in ms.schedule(jnp.asarray((lens + 63) // 64), num_parts))
+  cu, sched, payload = (np.asarray(x) for x in ms.schedule_kernel(jnp.asarray(lens), num_parts, page=64,
+                                                                  interpret=True))
+  np.testing.assert_array_equal(cu[:batch + 1], cu_ref)
+  np.testing.assert_array_equal(sched[:, :num_parts].T, sched_ref)
+  assert payload[0] == np.asarray(ms.share_pages(jnp.asarray(cu_ref), num_parts))
+
+
 @pytest.mark.parametrize("n,groups", [(8, 1), (32, 3)])
 def test_merge_kernel_matches_xla_combine(n, groups):
-  """split_combine.merge_partials (Pallas, interpret mode) == _combine (XLA) on random partials, including
+  """split_kv.merge_partials (Pallas, interpret mode) == _combine (XLA) on random partials, including
   zero-page sequences, rows without any key (lse2 = -inf) and NaN in entries no sequence owns."""
   rng = np.random.default_rng(n)
   pages = np.array([3, 0, 1, 7, 2, 0], np.int32)

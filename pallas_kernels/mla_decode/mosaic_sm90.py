@@ -17,7 +17,7 @@ into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is n
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
-at entry p + b (unique: the (share, sequence) pairs form a staircase); `split_combine.merge_partials` merges
+at entry p + b (unique: the (share, sequence) pairs form a staircase); `split_kv.merge_partials` merges
 the partials of each sequence in one Pallas pass (`_combine` here is its plain-XLA reference). Pages and slots
 past a sequence's length never enter a sum: the table entries are never read, tail slots are zeroed by select
 before any product, scores past the length (or the causal limit) are masked to -inf by select.
@@ -39,7 +39,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.split_combine import merge_partials
+from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
@@ -159,7 +159,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               split_p=split_p, auto_barriers=bool(auto_barriers), dequant_wg=dequant_wg)
 
 
-# ---- device-side split-KV schedule -----------------------------------------------------------------------
+# ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
 def share_pages(cu: jax.Array, num_parts: int) -> jax.Array:
   """Pages per split-KV share (>= 1) for page prefix sums cu [B+1]: share p covers [p, p + 1) * this."""
   return jnp.maximum(1, (cu[-1] + num_parts - 1) // num_parts)
@@ -278,10 +278,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
-    begin = sched_ref[part, 0]
-    end = sched_ref[part, 1]
-    b_first = sched_ref[part, 2]
-    b_last = sched_ref[part, 3]
+    begin = sched_ref[0, part]               # sched rows: begin, end, b_first, b_last (split_kv.schedule_kernel)
+    end = sched_ref[1, part]
+    b_first = sched_ref[2, part]
+    b_last = sched_ref[3, part]
 
     def seq_pages(b):
       cb = cu_ref[b]
@@ -590,12 +590,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_nope = qf[..., :LATENT_DIM].astype(jnp.float16) if fp8 else qf
   max_pages = block_table.shape[1]
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  cu, sched = schedule((lens + PAGE - 1) // PAGE, plan.num_parts)
+  cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret, ablate=frozenset(_ablate))
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, qf, *cache_arrays, block_table, lens, cu, sched)
-  payload = share_pages(cu, plan.num_parts).reshape(1)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)

@@ -1,0 +1,158 @@
+"""Device-side split-KV schedule and merge for mosaic_sm90 (Pallas Triton kernels; CPU with interpret=True).
+
+Schedule: the batch's pages, in sequence order, are cut into `num_parts` equal shares of `payload` pages: share p
+covers flat pages [p * payload, (p + 1) * payload) and sequences b_first..b_last. `schedule_kernel` computes the
+page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one program, where plain XLA
+took ~7 fusions of ~1.5 µs each (mosaic_sm90.schedule is the XLA reference the tests compare it with).
+
+Merge: sequence b (flat pages [cu[b], cu[b+1])) has partials from shares p = cu[b] // payload ...
+(cu[b+1] - 1) // payload, stored at entries e = p + b. Each partial is normalized (o) with its log2-domain
+log-sum-exp (lse2; -inf where a row saw no key), and
+
+    lse2 = log2 sum_p 2^lse2_p,     o = sum_p 2^(lse2_p - lse2) o_p.
+
+Program (b, g, d) merges sequence b, head group g, latent columns [128 d, 128 d + 128) and writes them
+transposed into the caller's row order in bf16 (rows past the query count are padding the caller slices off).
+This replaced ~10 XLA fusions (segment reductions over scatters, a transpose, casts) that cost 20-110 µs on the
+H200 (NOTES.md); mosaic_sm90._combine is the plain-XLA reference the tests compare it with.
+
+Pallas Triton needs every loaded or stored array to have a power-of-two size: the schedule walks sequences in
+chunks of SEQ_CHUNK (lens padded with zeros to a multiple of it) and shares padded to a power of two.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+  warnings.simplefilter("ignore", DeprecationWarning)
+  from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.mla_decode.cache import LATENT_DIM
+
+COLS = 128          # latent columns per program (merge)
+SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
+_LN2 = math.log(2.0)
+
+
+def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int):
+  b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
+  payload = payload_ref[0]
+  p_lo = first // payload
+  p_hi = jnp.where(last > first, (last - 1) // payload, p_lo - 1)     # no pages -> no partials
+
+  def merge(p, carry):
+    m, den, acc = carry                                                # [n], [n], [COLS, n]
+    e = (p + b) * groups + g
+    l2 = lse2_ref[e, :]                                                # [n] log2 domain, -inf = no key
+    o = o_ref[e, pl.ds(d * COLS, COLS), :]                             # [COLS, n]
+    m_new = jnp.maximum(m, l2)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)                                       # 0 while nothing was seen
+    w = jnp.exp2(l2 - m_safe)                                          # 0 for an empty partial row
+    return m_new, den * alpha + w, acc * alpha[None, :] + o * w[None, :]
+
+  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros((COLS, n), jnp.float32))
+  m, den, acc = lax.fori_loop(p_lo, p_hi + 1, merge, init)
+  seen = den > 0
+  inv = jnp.where(seen, 1.0 / jnp.where(seen, den, 1.0), 0.0)
+  out_ref[pl.ds(g * n, n), pl.ds(d * COLS, COLS)] = (acc * inv[None, :]).T.astype(out_ref.dtype)
+
+  @pl.when(d == 0)
+  def _():
+    lse_ref[pl.ds(g * n, n)] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, jnp.inf)
+
+
+def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
+                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """o_part f32 [E*G, 512, N], lse2_part f32 [E*G, N] (entry-major, head group minor), cu int32 [B+1],
+  payload int32 [1] -> out [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key)."""
+  eg, dims, n = o_part.shape
+  if dims != LATENT_DIM or n & (n - 1) or n < 8:
+    raise ValueError(f"merge_partials needs partials [E*G, {LATENT_DIM}, N] with N a power of two >= 8, "
+                     f"got {o_part.shape}")
+
+  def whole(x):
+    return pl.BlockSpec(x.shape, lambda b, g, d, _n=x.ndim: (0,) * _n)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, groups=groups, n=n),
+        grid=(batch, groups, LATENT_DIM // COLS),
+        in_specs=[whole(cu), whole(payload), whole(o_part), whole(lse2_part)],
+        out_specs=[pl.BlockSpec((None, groups * n, LATENT_DIM), lambda b, g, d: (b, 0, 0)),
+                   pl.BlockSpec((None, groups * n), lambda b, g, d: (b, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
+                   jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)],
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_decode_merge_partials",
+    )(cu, payload, o_part, lse2_part)
+
+
+def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, num_parts: int, page: int,
+                     chunks: int, parts_padded: int):
+  def pages_of(c):
+    lens = lens_ref[pl.ds(c * SEQ_CHUNK, SEQ_CHUNK)]                   # zeros past the batch
+    return (lens + page - 1) // page
+
+  total = lax.fori_loop(0, chunks, lambda c, t: t + jnp.sum(pages_of(c)), jnp.int32(0))
+  payload = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  p = lax.broadcasted_iota(jnp.int32, (parts_padded,), 0)
+  begin = jnp.minimum(p * payload, total)
+  end = jnp.minimum(begin + payload, total)
+
+  def prefix(c, carry):
+    # cu[b] (exclusive prefix sums) and, per share, how many sequences end at or before begin / end - 1
+    before, n_first, n_last = carry
+    pg = pages_of(c)
+    incl = jnp.cumsum(pg) + before                                     # [SEQ_CHUNK] = cu[b + 1]
+    cu_ref[pl.ds(c * SEQ_CHUNK, SEQ_CHUNK)] = incl - pg
+    n_first += jnp.sum((incl[None, :] <= begin[:, None]).astype(jnp.int32), axis=1)
+    n_last += jnp.sum((incl[None, :] <= (end - 1)[:, None]).astype(jnp.int32), axis=1)
+    return before + jnp.sum(pg), n_first, n_last
+
+  zeros = jnp.zeros((parts_padded,), jnp.int32)
+  _, n_first, n_last = lax.fori_loop(0, chunks, prefix, (jnp.int32(0), zeros, zeros))
+  # padded sequences (no pages) count only where begin == total, an empty share: the clip absorbs them
+  b_first = jnp.minimum(n_first, batch - 1)
+  b_last = jnp.where(end > begin, jnp.minimum(n_last, batch - 1), b_first - 1)
+  for i, v in enumerate((begin, end, b_first, b_last)):
+    sched_ref[i, :] = v
+  payload_ref[...] = jnp.full((1,), payload, jnp.int32)
+
+
+def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """lens int32 [B] (clipped to the table) -> cu int32 [>= B+1] (page prefix sums, cu[B] = total pages),
+  sched int32 [4, P'] (rows begin, end, b_first, b_last of share p < num_parts; P' = num_parts padded to a
+  power of two), payload int32 [1]. Same values as mosaic_sm90.schedule."""
+  batch = lens.shape[0]
+  chunks = batch // SEQ_CHUNK + 1                     # room for cu[B]
+  lens = jnp.pad(lens.astype(jnp.int32), (0, chunks * SEQ_CHUNK - batch))
+  parts_padded = 1 << (num_parts - 1).bit_length()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return pl.pallas_call(
+        functools.partial(_schedule_kernel, batch=batch, num_parts=num_parts, page=page, chunks=chunks,
+                          parts_padded=parts_padded),
+        grid=(1,),
+        in_specs=[pl.BlockSpec(lens.shape, lambda i: (0,))],
+        out_specs=[pl.BlockSpec((chunks * SEQ_CHUNK,), lambda i: (0,)),
+                   pl.BlockSpec((4, parts_padded), lambda i: (0, 0)),
+                   pl.BlockSpec((1,), lambda i: (0,))],
+        out_shape=[jax.ShapeDtypeStruct((chunks * SEQ_CHUNK,), jnp.int32),
+                   jax.ShapeDtypeStruct((4, parts_padded), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)],
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        name="mla_decode_split_schedule",
+    )(lens)

@@ -90,7 +90,7 @@ def timing_variants():
   base = ("fp8_e4m3", 16, 1, 128, 4096)
   v = [("fp8_e4m3 h16", *base, False, "mosaic_sm90", {}),
        ("fp8_e4m3 h16 ragged[1,2L]", *base, True, "mosaic_sm90", {}),
-       ("fp8_e4m3 h16 inline dequant", *base, False, "mosaic_sm90", dict(dequant_wg=False))]
+       ("fp8_e4m3 h16 auto_barriers", *base, False, "mosaic_sm90", dict(auto_barriers=True))]
   for ab in ("stream", "nodequant", "noswap"):
     v.append((f"fp8_e4m3 h16 ablate {ab}", *base, False, "mosaic_sm90", dict(_ablate=frozenset({ab}))))
   v.append(("bfloat16 h16", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", {}))

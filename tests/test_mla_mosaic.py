@@ -146,9 +146,7 @@ def test_plan_fits(rows, fp8):
   assert plan.n * (plan.groups - 1) < rows                         # no all-padding head group
   assert 1 <= plan.num_stages <= 4 and plan.smem_bytes <= ms.SMEM_LIMIT
   assert plan.split_p == (not fp8)
-  assert not plan.dequant_wg and plan.n & (plan.n - 1) == 0       # N a power of two (the merge kernel's blocks)
-  if fp8 and plan.n <= 16:                                        # the dequant warpgroup's two f16 pages fit
-    assert ms.make_plan(rows, fp8, num_parts=132, dequant_wg=True).num_stages >= 1
+  assert plan.n & (plan.n - 1) == 0                               # N a power of two (the merge kernel's blocks)
 
 
 @pytest.mark.parametrize("rows", [1, 9, 16, 20, 33, 128])
@@ -172,10 +170,6 @@ def test_rejects_what_it_cannot_run():
     ms.make_plan(32, False, num_stages=4, rows_per_cta=32)
   with pytest.raises(ValueError, match="rows_per_cta"):
     ms.make_plan(16, True, rows_per_cta=12)
-  with pytest.raises(ValueError, match="dequant_wg"):
-    ms.make_plan(16, False, dequant_wg=True)
-  with pytest.raises(ValueError, match="SMEM"):
-    ms.make_plan(32, True, dequant_wg=True)
   q = jnp.zeros((1, 1, 16, 576), jnp.bfloat16)
   small_pages = MLAKVCache.allocate(4, page_size=32, dtype="fp8_e4m3")
   with pytest.raises(ValueError, match="page_size 64"):
@@ -202,7 +196,7 @@ def test_registered_and_never_auto_on_cpu():
 @pytest.mark.parametrize("dtype,heads,sq,lens,causal,parts", [
     ("bfloat16", 16, 1, [70, 0, 5], False, 3),          # one head group, zero length, partial pages, splits
     ("fp8_e4m3", 20, 2, [1, 130, 64], True, 3),         # two head groups (40 rows), causal, masked dequant
-    ("fp8_e4m3", 16, 1, [129, 0, 64, 3], False, 3),     # dequant warpgroup + double f16 page, masked dequant
+    ("fp8_e4m3", 16, 1, [129, 0, 64, 3], False, 3),     # one head group of 16, masked dequant, a full last page
 ])
 def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
   q, cache, table, lens_a = random_problem(len(lens) + heads, lens=lens, sq=sq, heads=heads, dtype=dtype)
@@ -214,12 +208,10 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
   assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
 
 
-@pytest.mark.parametrize("dequant_wg,stages", [(False, 2), (True, 1)])
-def test_kernel_interpret_no_races(dequant_wg, stages):
-  """Race detector on: 2 shares, a ring that wraps (3 pages in one share), fp8 dequant (in the compute warpgroups,
-  or by the dequant warpgroup into two alternating f16 pages) + score swap."""
+def test_kernel_interpret_no_races():
+  """Race detector on: 2 shares, a 2-slot ring that wraps (3 pages in one share), fp8 dequant + swap."""
   q, cache, table, lens = random_problem(3, lens=[130, 2], sq=1, heads=8, dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=stages, dequant_wg=dequant_wg,
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=2,
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found

@@ -22,9 +22,8 @@ the partials of each sequence in one Pallas pass (`_combine` here is its plain-X
 past a sequence's length never enter a sum: the table entries are never read, tail slots are zeroed by select
 before any product, scores past the length (or the causal limit) are masked to -inf by select.
 
-fp8 dequant runs in the compute warpgroups by default; `dequant_wg=True` moves it to a 4th warpgroup that fills
-two alternating f16 pages (N <= 16; measured slower on the H200, NOTES.md v4). Register budgets are set per
-warpgroup (producer 40, dequant 96, compute 232 or 184).
+Register budgets are set per warpgroup (producer 40, compute 232). A 4th warpgroup dequantizing the next page
+into a second f16 page was built and measured slower (its SMEM left a 1-slot ring; NOTES.md v4, commit 8ac9bf4).
 """
 from __future__ import annotations
 
@@ -77,18 +76,15 @@ class Plan:
   fp8: bool
   split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
   auto_barriers: bool = False  # Mosaic's warpgroup barrier around every SMEM store (not needed: see _build_call)
-  dequant_wg: bool = False     # fp8: a 4th warpgroup dequantizes page c+1 while the compute warpgroups run page c
 
   @property
   def smem_bytes(self) -> int:
-    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.dequant_wg)
+    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p)
 
 
-def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, dequant_wg: bool = False) -> int:
+def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
-  if fp8 and dequant_wg:       # fp8 ring + two f16 pages (latent and a copy of the rope) for the compute side
-    ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + 2 * PAGE * (LATENT_DIM + ROPE_DIM) * 2
-  elif fp8:
+  if fp8:
     ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
@@ -127,19 +123,15 @@ FUSED_HEAD_GROUPS = True
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None, split_p: bool | None = None, auto_barriers: bool = False,
-              dequant_wg: bool | None = None) -> Plan:
+              rows_per_cta: int | None = None, split_p: bool | None = None, auto_barriers: bool = False) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache: a bf16 P alone (FlashMLA's choice) misses DESIGN §6's out tolerance
   on elements near 0 when |V| is large. An fp8 cache computes P.V in f16 (2^-11), which meets it.
-  dequant_wg (fp8, N <= 16: its two f16 pages must fit SMEM) is off unless asked for.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
-  if dequant_wg and not fp8:
-    raise ValueError("dequant_wg applies to an fp8 cache only (a bf16 page is used as loaded)")
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
@@ -147,16 +139,15 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
-  dequant_wg = bool(dequant_wg)   # off by default: its 1-slot ring made it slower on the H200 (NOTES.md, v4)
-  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, dequant_wg) <= SMEM_LIMIT
+  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p) <= SMEM_LIMIT
   if num_stages is None:
     num_stages = max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
-    raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA (dequant_wg={dequant_wg}) "
-                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, dequant_wg)} bytes of SMEM, "
+    raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
+                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, "
                      f"over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p, auto_barriers=bool(auto_barriers), dequant_wg=dequant_wg)
+              split_p=split_p, auto_barriers=bool(auto_barriers))
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -223,7 +214,6 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   """ablate (timing experiments only, results are wrong): 'stream' = compute warpgroups only wait for and
   release pages; 'nodequant' = fp8 pages are not dequantized (stale f16 tile); 'noswap' = no score swap."""
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
-  dq_wg = plan.dequant_wg
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
   scale_log2 = float(softmax_scale) * LOG2E
@@ -238,11 +228,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
         ring_sc=plgpu.SMEM((stages, PAGE, 4), jnp.float32))
-    if dq_wg:   # two f16 pages: the compute side reads page c while the dequant warpgroup fills page c + 1
-      scratch.update(kbuf=plgpu.SMEM((2, 2, PAGE, HALF), jnp.float16, transforms=_SWZ16),
-                     krope=plgpu.SMEM((2, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16))
-    else:       # one f16 page, each compute warpgroup dequantizes its half
-      scratch.update(kbuf=plgpu.SMEM((1, 2, PAGE, HALF), jnp.float16, transforms=_SWZ16))
+    # the f16 page: each compute warpgroup dequantizes its half
+    scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=_SWZ16))
   else:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.bfloat16, transforms=_SWZ16),
@@ -251,14 +238,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       sx=plgpu.SMEM((2, PAGE, n), jnp.float32),                                    # score swap
       pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=_SWZ16),   # P [wg, hi|lo]
       loaded=plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),     # TMA copies of a page landed
-      consumed=plgpu.Barrier(num_arrivals=1 if dq_wg else 2, num_barriers=stages),  # ring slot free again
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),                 # ring slot free again
       xbar=plgpu.Barrier(num_arrivals=2),                                          # scores written
       xread=plgpu.Barrier(num_arrivals=2),                                         # scores read
       lsync=plgpu.Barrier(num_arrivals=2),                                         # see the final row sums
       qbar=plgpu.Barrier(num_arrivals=1, num_barriers=3))                          # Q halves + rope landed
-  if dq_wg:
-    scratch.update(ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),            # f16 page k filled
-                   freed=plgpu.Barrier(num_arrivals=2, num_barriers=2))            # f16 page k read by both
   names = list(scratch)
 
   def body(*refs):
@@ -271,10 +255,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     r = dict(zip(names, refs[n_io:]))
     qn_smem, qr_smem, ring_lat, ring_rope, sx, pbuf = (r[k] for k in
                                                        ("qn_smem", "qr_smem", "ring_lat", "ring_rope", "sx", "pbuf"))
-    ring_sc, kbuf, krope = r.get("ring_sc"), r.get("kbuf"), r.get("krope")
+    ring_sc, kbuf = r.get("ring_sc"), r.get("kbuf")
     loaded, consumed, xbar, xread, lsync, qbar = (r[k] for k in
                                                   ("loaded", "consumed", "xbar", "xread", "lsync", "qbar"))
-    ready, freed = r.get("ready"), r.get("freed")
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
@@ -304,9 +287,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         def _():
           plgpu.barrier_wait(bar.at[lax.rem(done + i, depth)])
 
-    def dequant_tiles(slot, dst, tiles, n_valid):
-      """fp8 [64, 128] tiles t of ring slot -> f16 * scale[:, t] into dst(t) (exact: power-of-two scales); on a
-      partial last page the rows past the length -> 0 by select (they may hold NaN), full pages skip the select."""
+    def dequant(slot, w, n_valid):
+      """Warpgroup w's half of the page: fp8 [64, 128] tiles t = 2w, 2w+1 of the ring slot -> f16 * scale[:, t]
+      into kbuf[w] (exact: power-of-two scales); on a partial last page the rows past the length -> 0 by select
+      (they may hold NaN), full pages skip the select."""
       sc_all = plgpu.load(ring_sc.at[slot], layout=_scale_layout(), optimized=False)
       col4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 1, layout=_scale_layout())
 
@@ -314,7 +298,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         if masked:
           row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=_scale_layout())
           ok = (row4 < n_valid).astype(jnp.float32)
-        for t in tiles:
+        for t in (2 * w, 2 * w + 1):
           s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
           x = plgpu.load(ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * 128, 128)], layout=_dequant_layout(),
                          optimized=True).astype(jnp.float16)
@@ -322,7 +306,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           if masked:
             ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
             x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-          dst(t)[...] = x
+          kbuf[w, :, pl.ds((t % 2) * 128, 128)] = x
 
       pl.when(n_valid >= PAGE)(lambda: convert(False))
       pl.when(n_valid < PAGE)(lambda: convert(True))
@@ -349,35 +333,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
       drain(consumed, for_each_page(page, ()), stages)
 
-    # -------- warpgroup 3 (fp8, dq_wg): dequantizes ring slot -> f16 page k = c % 2 --------
-    if dq_wg:
-      @pl.when(wg == 3)
-      def _dequantizer():
-        plgpu.set_max_registers(96, action="decrease")
-
-        def page(b, j, c, carry):
-          slot = lax.rem(c, stages)
-          k = lax.rem(c, 2)
-          plgpu.barrier_wait(loaded.at[slot])
-
-          @pl.when(c >= 2)
-          def _():
-            plgpu.barrier_wait(freed.at[k])              # both compute warpgroups are done with page c - 2
-
-          if "nodequant" not in ablate:
-            dequant_tiles(slot, lambda t: kbuf.at[k, t // 2, :, pl.ds((t % 2) * 128, 128)], range(4),
-                          lens_ref[b] - j * PAGE)
-          krope[k] = plgpu.load(ring_rope.at[slot], layout=_dequant_layout(), optimized=True)
-          plgpu.commit_smem()                              # visible to the compute side's wgmma (async proxy)
-          plgpu.barrier_arrive(consumed.at[slot])
-          plgpu.barrier_arrive(ready.at[k])
-          return carry
-
-        drain(freed, for_each_page(page, ()), 2)
-
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
-      plgpu.set_max_registers(184 if dq_wg else 232, action="increase")
+      plgpu.set_max_registers(232, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
@@ -417,25 +375,18 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             c = ctr + (j - lo)
             slot = lax.rem(c, stages)
             n_valid = length - j * PAGE
-            if dq_wg:
-              k = lax.rem(c, 2)
-              plgpu.barrier_wait(ready.at[k])
-              release = freed.at[k]
-              tile, rope_tile = kbuf.at[k, w], krope.at[k]
-            else:
-              plgpu.barrier_wait(loaded.at[slot])
-              release = consumed.at[slot]
-              rope_tile = ring_rope.at[slot]
+            plgpu.barrier_wait(loaded.at[slot])
+            release = consumed.at[slot]
+            rope_tile = ring_rope.at[slot]
             if "stream" in ablate:
               plgpu.barrier_arrive(release)
               return carry
-            if fp8 and not dq_wg:
+            if fp8:
               if "nodequant" not in ablate:
-                dequant_tiles(slot, lambda t: kbuf.at[0, w, :, pl.ds((t % 2) * 128, 128)], (2 * w, 2 * w + 1),
-                              n_valid)
+                dequant(slot, w, n_valid)
                 plgpu.commit_smem()
-              tile = kbuf.at[0, w]
-            elif not fp8:
+              tile = kbuf.at[w]
+            else:
               zero_tail(slot, n_valid)
               tile = ring_lat.at[slot, w]
 
@@ -449,7 +400,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               return acc_ref[...]
 
             s_mine = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32))
-            if fp8 and not dq_wg:
+            if fp8:
               plgpu.barrier_arrive(release)            # latent dequantized, rope read: slot free
 
             # swap partial scores with the other warpgroup (sx[w] is rewritten only after both read it)
@@ -493,7 +444,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             # this page's P.V in a fresh accumulator, folded in with the rescale as one FMA per element
             o_page = pl.run_scoped(pv, plgpu.ACC((HALF, n), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_page
-            if dq_wg or not fp8:
+            if not fp8:
               plgpu.barrier_arrive(release)
             return acc, m_new, l_acc
 
@@ -529,7 +480,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
-      grid_names=("g", "part"), num_threads=4 if dq_wg else 3, thread_name="wg",
+      grid_names=("g", "part"), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers,
                                            reduction_scratch_bytes=_reduction_scratch_bytes(n)),
       interpret=_interpret_params(interpret))
@@ -545,12 +496,11 @@ def _interpret_params(interpret):
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None, split_p: bool | None = None,
-               auto_barriers: bool = False, fuse_head_groups: bool | None = None, dequant_wg: bool | None = None,
+               auto_barriers: bool = False, fuse_head_groups: bool | None = None,
                _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
-  num_parts / num_stages / rows_per_cta / fuse_head_groups / dequant_wg override the plan (tests and tuning);
-  None picks them.
+  num_parts / num_stages / rows_per_cta / fuse_head_groups override the plan (tests and tuning); None picks them.
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -575,12 +525,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
       o, l = mla_decode(q[:, :, h0:h0 + step], cache, block_table, seq_lens, softmax_scale=softmax_scale,
                         causal=causal, interpret=interpret, num_parts=num_parts, num_stages=num_stages,
                         rows_per_cta=rows_per_cta, split_p=split_p, auto_barriers=auto_barriers,
-                        fuse_head_groups=False, dequant_wg=dequant_wg, _ablate=_ablate)
+                        fuse_head_groups=False, _ablate=_ablate)
       outs.append(o)
       lses.append(l)
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p, auto_barriers=auto_barriers, dequant_wg=dequant_wg)
+                   split_p=split_p, auto_barriers=auto_barriers)
   rows_padded = plan.n * plan.groups
   qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
   if rows_padded != plan.rows:

@@ -271,22 +271,6 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       cb1 = cu_ref[b + 1]
       return jnp.maximum(begin, cb) - cb, jnp.minimum(end, cb1) - cb
 
-    def for_each_page(page_fn, init):
-      """page_fn(b, j, c, carry) over the share's pages in order; c counts pages from 0."""
-      def seg(b, carry):
-        lo, hi = seq_pages(b)
-        ctr, inner = carry
-        inner = lax.fori_loop(lo, jnp.maximum(lo, hi), lambda j, x: page_fn(b, j, ctr + (j - lo), x), inner)
-        return ctr + jnp.maximum(hi - lo, 0), inner
-      return lax.fori_loop(b_first, b_last + 1, seg, (jnp.int32(0), init))[0]
-
-    def drain(bar, done, depth):
-      # observe the last `depth` phases too, so no barrier phase is left pending at exit
-      for i in range(depth):
-        @pl.when(done + i >= depth)
-        def _():
-          plgpu.barrier_wait(bar.at[lax.rem(done + i, depth)])
-
     def dequant(slot, w, n_valid):
       """Warpgroup w's half of the page: fp8 [64, 128] tiles t = 2w, 2w+1 of the ring slot -> f16 * scale[:, t]
       into kbuf[w] (exact: power-of-two scales); on a partial last page the rows past the length -> 0 by select
@@ -316,22 +300,33 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def page(b, j, c, carry):
-        slot = lax.rem(c, stages)
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
 
-        @pl.when(c >= stages)
+        def page(j, c):
+          slot = lax.rem(c, stages)
+
+          @pl.when(c >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
+          for w in range(2):
+            plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
+                                    loaded.at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          if fp8:
+            plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
+          return c + 1
+
+        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      # observe the release of the last pages too, so no barrier phase is left pending at exit
+      for i in range(stages):
+        @pl.when(done + i >= stages)
         def _():
-          plgpu.barrier_wait(consumed.at[slot])
-
-        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
-        for w in range(2):
-          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
-        if fp8:
-          plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
-        return carry
-
-      drain(consumed, for_each_page(page, ()), stages)
+          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):

@@ -72,9 +72,10 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, gro
 
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
                    groups: int, out_dtype=jnp.bfloat16, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """o_part f32 [E*G, 512, N], lse2_part f32 [E*G, N] (entry-major, head group minor), cu int32 [B+1],
-  payload int32 [1] -> out [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key)."""
-  eg, dims, n = o_part.shape
+  """o_part f32 [E*G, 512, N], lse2_part f32 [E*G, N] (entry-major, head group minor), cu int32 [>= B+1] and
+  payload int32 [1] (schedule_kernel's) -> out [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf
+  where no key)."""
+  _, dims, n = o_part.shape
   if dims != LATENT_DIM or n & (n - 1) or n < 8:
     raise ValueError(f"merge_partials needs partials [E*G, {LATENT_DIM}, N] with N a power of two >= 8, "
                      f"got {o_part.shape}")

@@ -1,0 +1,140 @@
+"""w4a16: int4-weight x bf16-activation GEMMs, the public ops and the backend choice (docs/architecture.md §4).
+
+  w4a16_matmul(x [M, K], weight) -> [M, N]                     dense AWQ linears
+  w4a16_moe(x [T, D], topk_ids [T, K], topk_weights [T, K], w13, w2) -> [T, D]
+                                                                routed experts: Σ_k w · down(silu(gate x) · up x)
+
+Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z, s). Backends:
+  triton  Pallas Triton kernels (triton.py); CUDA compute capability >= 8.0, or interpret=True on any device;
+          bf16 activations.
+  xla     dequantize-and-dot (reference.py); any device and dtype.
+`auto` picks triton for bf16 activations on a CUDA GPU of compute capability >= 8.0 (or in interpret mode), else
+xla, and logs one INFO line (logger "pallas_kernels") per distinct choice with its reason. A backend requested by
+name that cannot run raises ValueError saying why and what would run; nothing is swapped silently. There is no
+Hopper-specific (mosaic_sm90) w4a16 kernel yet: asking for one raises.
+
+Both ops are plain jittable functions; the MoE groups tokens by expert on the device with static shapes
+(routing.py). Under a mesh, call them inside `jax.shard_map` on per-device shards (a column-split weight gives
+that device's columns; a row-split weight a partial sum to psum; an expert-split stack routes the device's own
+experts, other ids arriving out of range are dropped).
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.w4a16 import layout, reference, routing, triton
+
+logger = logging.getLogger("pallas_kernels")
+
+BACKEND_NAMES = ("auto", "triton", "xla", "mosaic_sm90")
+_logged: set = set()
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+  cc = getattr(device, "compute_capability", None)
+  if isinstance(cc, str) and cc:
+    major, _, minor = cc.partition(".")
+    return int(major), int(minor or 0)
+  return None
+
+
+def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=None) -> tuple[str, str]:
+  """(backend name, reason) for a w4a16 call; raises ValueError for a request that cannot run."""
+  if requested not in BACKEND_NAMES:
+    raise ValueError(f"w4a16 backend {requested!r} is unknown; choose one of {BACKEND_NAMES}.")
+  device = device or jax.devices()[0]
+  cc = _compute_capability(device)
+  on_gpu = device.platform == "gpu" and cc is not None and cc >= (8, 0)
+  where = (f"{device.device_kind} (compute capability {cc[0]}.{cc[1]})" if cc else f"{device.platform} device")
+  bf16 = jnp.dtype(x_dtype) == jnp.bfloat16
+  if requested == "mosaic_sm90":
+    raise ValueError("w4a16 backend 'mosaic_sm90' does not exist yet; 'triton' runs on compute capability >= 8.0 "
+                     "(Hopper included) and 'xla' anywhere.")
+  if requested == "xla":
+    return "xla", "requested"
+  if requested == "triton":
+    if not bf16:
+      raise ValueError(f"w4a16 backend 'triton' takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x to "
+                       f"bfloat16 or use backend='xla'.")
+    if not (interpret or on_gpu):
+      raise ValueError(f"w4a16 backend 'triton' needs a CUDA GPU of compute capability >= 8.0 or interpret=True; "
+                       f"this is a {where}. backend='xla' runs here.")
+    return "triton", "requested"
+  if not bf16:
+    return "xla", f"{jnp.dtype(x_dtype)} activations (the int4 kernels compute with bfloat16 activations)"
+  if interpret:
+    return "triton", "interpret=True"
+  if on_gpu:
+    return "triton", f"{where} >= 8.0 (no Hopper-specific w4a16 kernel yet)"
+  return "xla", f"no CUDA GPU of compute capability >= 8.0 ({where})"
+
+
+def _choose(requested: str, x_dtype, interpret: bool) -> str:
+  name, reason = resolve_backend(requested, x_dtype, interpret)
+  if (requested, name, reason) not in _logged:
+    _logged.add((requested, name, reason))
+    logger.info("w4a16 backend: %s (%s)", name, reason)
+  return name
+
+
+def _check_x(x, k: int, what: str) -> None:
+  if x.ndim != 2 or x.shape[1] != k:
+    raise ValueError(f"{what}: x must be [rows, K={k}], got shape {tuple(x.shape)}.")
+
+
+def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "auto", interpret: bool = False,
+                 config: dict | None = None) -> jax.Array:
+  """x [M, K] @ W [K, N] -> [M, N] in x.dtype (float32 accumulation)."""
+  if weight.lead_shape:
+    raise ValueError(f"w4a16_matmul takes one weight, got a stack of shape {weight.lead_shape}.")
+  _check_x(x, weight.k, "w4a16_matmul")
+  if x.shape[0] == 0:
+    return jnp.zeros((0, weight.n), x.dtype)
+  if _choose(backend, x.dtype, interpret) == "xla":
+    return reference.matmul(x, weight)
+  return triton.matmul(x, weight, interpret=interpret, config=config)
+
+
+def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+  """Rows per expert block: 16 for decode-sized batches (a block is mostly padding anyway), larger once an
+  expert averages more rows, so prefill runs real-sized tiles."""
+  per_expert = num_tokens * top_k / max(num_experts, 1)
+  return 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+
+
+def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: layout.W4A16Weight,
+              w2: layout.W4A16Weight, *, backend: str = "auto", interpret: bool = False,
+              block_m: int | None = None, config: dict | None = None) -> jax.Array:
+  """Σ_k topk_weights[t,k] · down_e(silu(gate_e x_t) · up_e x_t), e = topk_ids[t,k]; [T, D] -> [T, D] in x.dtype.
+
+  w13: stacked [E] gate|up weights from `layout.pack_gate_up` ([D -> 2 I_pad]); w2: stacked [E] down [I -> D].
+  Expert ids outside [0, E) contribute 0 (expert-parallel shards); a repeated expert counts once per k."""
+  if w13.n % 2:
+    raise ValueError(f"w4a16_moe: w13 has {w13.n} columns, not gate|up halves; build it with layout.pack_gate_up.")
+  if len(w13.lead_shape) != 1 or w2.lead_shape != w13.lead_shape:
+    raise ValueError(f"w4a16_moe: w13 and w2 must be stacks over the same experts [E], got {w13.lead_shape} and "
+                     f"{w2.lead_shape}.")
+  num_experts = w13.lead_shape[0]
+  inter = w13.n // 2
+  if layout.padded_n(w2.k) != inter:
+    raise ValueError(f"w4a16_moe: w2 takes K={w2.k} rows but w13 gives {inter} gate/up columns per half "
+                     f"(each padded to a multiple of {layout.ALIGN_N}); build w13 with layout.pack_gate_up.")
+  _check_x(x, w13.k, "w4a16_moe")
+  if w2.n != w13.k:
+    raise ValueError(f"w4a16_moe: w2 outputs {w2.n} columns but x has {w13.k}.")
+  if topk_ids.shape != topk_weights.shape or topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"w4a16_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                     f"{tuple(topk_weights.shape)} must both be [T={x.shape[0]}, top_k].")
+  t, k = topk_ids.shape
+  if t == 0:
+    return jnp.zeros((0, w2.n), x.dtype)
+  bm = block_m or default_block_m(t, k, num_experts)
+  if _choose(backend, x.dtype, interpret) == "xla":
+    return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=bm)
+  rt = routing.align(topk_ids, topk_weights, num_experts, bm)
+  busy = min(rt.num_blocks, num_experts, t * k)          # blocks expected in use: sizes the K split
+  rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config)
+  return routing.combine(rows, rt).astype(x.dtype)

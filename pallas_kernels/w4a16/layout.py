@@ -1,0 +1,144 @@
+"""The packed int4 weight format the w4a16 kernels read (docs/architecture.md §4).
+
+A quantized linear y = x @ W, W [K, N] = (q - z[g]) * s[g] with q, z unsigned 4-bit and g = k // G (AutoAWQ's
+zero-point scheme), is stored as three arrays. K is cut into chunks of CHUNK_K = 256 rows:
+
+  packed  int32   [..., K_pad/8, N_pad]   word (32 c + r, n) holds, in nibble j (bits 4j..4j+3),
+                                          q[256 c + 32 j + r, n]
+  scales  float16 [..., K_pad/G, N_pad]   s[g, n]
+  zeros   uint8   [..., K_pad/G, N_pad]   z[g, n]
+
+Why this order: a kernel reads a chunk as a [32, BN] tile of words (rows of BN contiguous words), and decoding
+nibble j of the whole tile yields the 32 contiguous K rows [32 j, 32 j + 32) of the chunk for all BN columns:
+8 matrix products [rows, 32] x [32, BN] per chunk, with no shuffle of decoded values, and each product lies
+inside one quantization group for G in 32, 64, 128. K is padded to a multiple of 256 and N to a multiple of 64
+with q = z = s = 0 (those rows and columns contribute exactly 0). Leading dimensions (experts) are kept.
+Bytes per weight: 1/2 + 3/G (fp16 scale and one zero byte per group and column; AutoAWQ: 1/2 + 5/(2G)).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CHUNK_K = 256                   # K rows per packed chunk
+NIBBLES = 8                     # 4-bit values per int32 word
+PLANE_K = CHUNK_K // NIBBLES    # 32 K rows decoded from one nibble of a chunk's words
+ALIGN_N = 64                    # N is padded to a multiple of this
+GROUP_SIZES = (32, 64, 128)     # group sizes the kernels are built for (AWQ checkpoints use 64 or 128)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class W4A16Weight:
+  """int4 weights of one linear (or a stack of them, e.g. [E] experts) in the kernels' layout."""
+  packed: jax.Array                               # int32 [..., K_pad/8, N_pad]
+  scales: jax.Array                               # float16 [..., K_pad/G, N_pad]
+  zeros: jax.Array                                # uint8 [..., K_pad/G, N_pad]
+  k: int = dataclasses.field(metadata=dict(static=True))           # logical input rows K <= K_pad
+  n: int = dataclasses.field(metadata=dict(static=True))           # logical output columns N <= N_pad
+  group_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def k_pad(self) -> int:
+    return self.packed.shape[-2] * NIBBLES
+
+  @property
+  def n_pad(self) -> int:
+    return self.packed.shape[-1]
+
+  @property
+  def lead_shape(self) -> tuple[int, ...]:
+    return tuple(self.packed.shape[:-2])
+
+  def nbytes(self) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.packed, self.scales, self.zeros))
+
+
+def padded_k(k: int) -> int:
+  return -(-k // CHUNK_K) * CHUNK_K
+
+
+def padded_n(n: int) -> int:
+  return -(-n // ALIGN_N) * ALIGN_N
+
+
+def check_shapes(k: int, n: int, group_size: int, where: str = "w4a16") -> None:
+  if group_size not in GROUP_SIZES:
+    raise ValueError(f"{where}: group size {group_size} is not supported by the w4a16 kernels "
+                     f"(supported: {GROUP_SIZES}); use the xla path for other group sizes.")
+  if k % group_size:
+    raise ValueError(f"{where}: group size {group_size} does not divide K = {k}.")
+  if n <= 0:
+    raise ValueError(f"{where}: N = {n} output columns; need at least one.")
+
+
+def pack(q, z, s, group_size: int, xp=jnp) -> W4A16Weight:
+  """q [..., K, N], z and s [..., K/G, N] (q, z integers in 0..15, s float16) -> W4A16Weight.
+
+  xp = numpy packs on the host (loaders, one tensor at a time); xp = jax.numpy packs on a device, under jit.
+  Values outside 0..15 raise on the host; on a device they would corrupt neighbouring nibbles, so callers that
+  pack traced values must have checked them.
+  """
+  *lead, k, n = q.shape
+  check_shapes(k, n, group_size)
+  ng = k // group_size
+  if tuple(z.shape) != (*lead, ng, n) or tuple(s.shape) != (*lead, ng, n):
+    raise ValueError(f"w4a16 pack: q {tuple(q.shape)} needs zeros and scales of shape {(*lead, ng, n)}; "
+                     f"got {tuple(z.shape)} and {tuple(s.shape)}.")
+  if xp is np:
+    for name, a in (("q", q), ("z", z)):
+      a = np.asarray(a)
+      if a.size and (a.min() < 0 or a.max() > 15):
+        raise ValueError(f"w4a16 pack: {name} holds values outside 0..15 (min {a.min()}, max {a.max()}).")
+  k_pad, n_pad = padded_k(k), padded_n(n)
+  lead_pad = [(0, 0)] * len(lead)
+
+  def pad(a, rows):
+    return xp.pad(a, lead_pad + [(0, rows - a.shape[-2]), (0, n_pad - n)])
+
+  qp = pad(xp.asarray(q).astype(xp.uint32), k_pad)                        # [..., K_pad, N_pad]
+  qp = qp.reshape(*lead, k_pad // CHUNK_K, NIBBLES, PLANE_K, n_pad)       # row 256 c + 32 j + r
+  shifts = (xp.arange(NIBBLES, dtype=xp.uint32) * 4)[:, None, None]       # [8, 1, 1]
+  words = (qp << shifts).sum(axis=-3, dtype=xp.uint32)                    # [..., K_pad/256, 32, N_pad]
+  words = words.reshape(*lead, k_pad // NIBBLES, n_pad)
+  packed = words.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
+  g_pad = k_pad // group_size
+  return W4A16Weight(packed=packed, scales=pad(xp.asarray(s).astype(xp.float16), g_pad),
+                     zeros=pad(xp.asarray(z).astype(xp.uint8), g_pad), k=int(k), n=int(n),
+                     group_size=int(group_size))
+
+
+def pack_gate_up(gate, up, group_size: int, xp=jnp) -> W4A16Weight:
+  """Gate and up projections (each (q, z, s) as for `pack`, [..., K, I]) -> one weight [K, 2 I_pad]: columns
+  [0, I_pad) are the gate, [I_pad, 2 I_pad) the up projection (I_pad = padded_n(I)); a gated kernel program reads
+  column tile t of both halves."""
+  wg, wu = pack(*gate, group_size, xp=xp), pack(*up, group_size, xp=xp)
+  if wg.packed.shape != wu.packed.shape:
+    raise ValueError(f"w4a16 pack_gate_up: gate {wg.packed.shape} and up {wu.packed.shape} differ in shape.")
+  cat = lambda a, b: xp.concatenate([a, b], axis=-1)
+  return W4A16Weight(packed=cat(wg.packed, wu.packed), scales=cat(wg.scales, wu.scales),
+                     zeros=cat(wg.zeros, wu.zeros), k=wg.k, n=2 * wg.n_pad, group_size=int(group_size))
+
+
+def unpack(w: W4A16Weight):
+  """W4A16Weight -> (q int32 [..., K, N], z int32 [..., K/G, N], s float16 [..., K/G, N]) (jnp; tests and the
+  reference)."""
+  lead, k_pad, n_pad = w.lead_shape, w.k_pad, w.n_pad
+  words = jax.lax.bitcast_convert_type(w.packed, jnp.uint32).reshape(*lead, k_pad // CHUNK_K, 1, PLANE_K, n_pad)
+  shifts = (jnp.arange(NIBBLES, dtype=jnp.uint32) * 4)[:, None, None]
+  q = ((words >> shifts) & 0xF).reshape(*lead, k_pad, n_pad)[..., :w.k, :w.n]
+  ng = w.k // w.group_size
+  return q.astype(jnp.int32), w.zeros[..., :ng, :w.n].astype(jnp.int32), w.scales[..., :ng, :w.n]
+
+
+def dequantize(w: W4A16Weight, dtype=jnp.float32) -> jax.Array:
+  """W [..., K, N] = (q - z) * s in float32, cast to dtype."""
+  q, z, s = unpack(w)
+  g = w.group_size
+  *lead, k, n = q.shape
+  qg = q.astype(jnp.float32).reshape(*lead, k // g, g, n)
+  out = (qg - z.astype(jnp.float32)[..., :, None, :]) * s.astype(jnp.float32)[..., :, None, :]
+  return out.reshape(*lead, k, n).astype(dtype)

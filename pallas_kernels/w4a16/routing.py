@@ -1,0 +1,86 @@
+"""Grouping (token, expert) pairs by expert for the grouped w4a16 MoE kernels, on the device, static shapes.
+
+The T*K pairs of a top-K routing are sorted by expert (stable, so a token's order is kept) and each expert's run
+is padded to a whole number of `block_m`-row blocks; a kernel program handles one block, i.e. one expert and at
+most block_m of its tokens. The number of blocks is bounded statically by ceil(P / block_m) + min(E, P) for
+P = T*K pairs (each used expert wastes less than one block), so shapes never depend on the routing; blocks past
+the ones in use carry expert -1 and their programs return at once. Experts with no token get no block, so their
+weights are never read.
+
+Expert ids outside [0, E) are dropped: such a pair gets no row and contributes 0. That is what an expert-parallel
+shard needs (ids of experts that live on another device arrive out of range). A token that lists the same expert
+twice gets two rows, each weighted by its own router weight, so its output holds that expert twice, as the sum
+over k in the definition does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  block_expert: jax.Array   # int32 [NB]: the expert of each block, -1 for blocks not in use
+  row_token: jax.Array      # int32 [NB * block_m]: the token of each sorted row, -1 for padding rows
+  row_weight: jax.Array     # float32 [NB * block_m]: the router weight of each row, 0 for padding rows
+  pair_row: jax.Array       # int32 [T, K]: the sorted row of each (token, k) pair, -1 if its expert is dropped
+  block_m: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.block_expert.shape[0]
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+  return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+def align(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int, block_m: int) -> Routing:
+  """topk_ids int [T, K], topk_weights [T, K] -> Routing (see the module docstring)."""
+  t, k = topk_ids.shape
+  p, e_count = t * k, num_experts
+  nb = max(1, max_blocks(p, e_count, block_m))
+  ids = topk_ids.reshape(-1).astype(jnp.int32)
+  kept = (ids >= 0) & (ids < e_count)
+  key = jnp.where(kept, ids, e_count)                          # dropped pairs sort last
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)      # sorted position -> pair
+  count = jnp.bincount(key, length=e_count + 1)[:e_count].astype(jnp.int32)
+  first_pair = jnp.cumsum(count) - count                       # first sorted position of each expert
+  blocks = -(-count // block_m)
+  block_end = jnp.cumsum(blocks)                               # exclusive end, in blocks, per expert
+  block_start = block_end - blocks
+  n_used = block_end[-1]
+
+  b = jnp.arange(nb, dtype=jnp.int32)
+  expert = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), e_count - 1).astype(jnp.int32)
+  in_use = b < n_used
+  block_expert = jnp.where(in_use, expert, -1)
+
+  r = jnp.arange(nb * block_m, dtype=jnp.int32)
+  rb = r // block_m
+  re = expert[rb]
+  pos = (rb - block_start[re]) * block_m + r % block_m          # position within the expert's run
+  valid = in_use[rb] & (pos < count[re])
+  pair = order[jnp.clip(first_pair[re] + pos, 0, max(p - 1, 0))]
+  row_token = jnp.where(valid, pair // k, -1).astype(jnp.int32)
+  row_weight = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32)[pair], 0.0)
+
+  # inverse: sorted position of each pair -> its row
+  sorted_pos = jnp.zeros((p,), jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
+  pe = jnp.clip(ids, 0, e_count - 1)
+  pos_in_expert = sorted_pos - first_pair[pe]
+  row = (block_start[pe] + pos_in_expert // block_m) * block_m + pos_in_expert % block_m
+  pair_row = jnp.where(kept, row, -1).reshape(t, k).astype(jnp.int32)
+  return Routing(block_expert=block_expert, row_token=row_token, row_weight=row_weight, pair_row=pair_row,
+                 block_m=int(block_m))
+
+
+def combine(rows: jax.Array, routing: Routing) -> jax.Array:
+  """rows [NB*block_m, D] (already router-weighted) -> [T, D]: the sum over each token's k pairs, in float32."""
+  pr = routing.pair_row                                        # [T, K]
+  got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
+  got = jnp.where((pr >= 0)[..., None], got.astype(jnp.float32), 0.0)   # dropped pairs: never read a row
+  return got.sum(axis=1)

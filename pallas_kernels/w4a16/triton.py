@@ -1,0 +1,217 @@
+"""The `triton` backend: int4-weight x bf16-activation GEMMs (Pallas Triton lowering; sm80+, CPU interpret).
+
+One kernel serves the dense linear and both halves of the routed-expert MLP (docs/architecture.md §4).
+Program (b, p, s) owns row block b (block_m rows of one expert; the dense matmul is one "expert" with contiguous
+rows), output columns [p BN, (p+1) BN) and K split s (a contiguous run of 256-row chunks). Per chunk:
+
+  words [32, BN]   int32: one chunk of one column tile (layout.py); nibble j = K rows [32 j, 32 j + 32)
+  q_j   [32, BN]   bf16 128 + q: (nibble | 0x4300) is the bf16 bit pattern of 128 + q, so no arithmetic
+  x_j   [bm, 32]   bf16 rows of the block, K rows 32 j.. (gathered by token id, 0 on padding rows / past K)
+  per quantization group g of the chunk (one to eight planes j):
+  acc   [bm, BN]   += s_g * Σ_j x_j . q_j  -  (Σ_k x) * (z_g + 128) * s_g           (float32)
+
+since Σ_k x (q - z) s = s Σ_k x (128 + q) - (z + 128) s Σ_k x. Scale and zero point touch the [bm, BN] partial
+once per group, never a weight, so a weight costs only its decode (2-3 integer instructions per pair of values
+with decode="ptx"); the products x . (128 + q) are exact in float32 on the tensor cores, and the offset 128 costs
+precision only through the float32 sum (about 2^-16 relative at G = 128), far below bf16's.
+
+Gated (gate and up in one pass): the program accumulates column tile p of both halves and writes
+silu(gate) * up. Weighted: rows are multiplied by their router weight before the store. Stores are masked to
+valid rows, so padding rows of a block are neither written nor read downstream. With K split over S programs
+(to fill the GPU when blocks x column tiles are few), each writes float32 partials [S, rows, N] that XLA sums
+(and gates) after the kernel.
+
+decode = "jnp" (shift/and/or/truncate in jnp; what interpret mode runs) or "ptx" (inline PTX, _nibble_asm).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+  # The Triton lowering is deprecated in favour of Mosaic GPU but is the portable (sm80) path; jax is pinned.
+  warnings.simplefilter("ignore", DeprecationWarning)
+  from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.w4a16 import layout
+
+_MAGIC = 128.0                 # (nibble | 0x4300) as bf16 == 128 + nibble
+_MAGIC_BITS = 0x4300
+
+# Defaults from the H200 sweeps in NOTES.md: the grouped (MoE) kernels ran best with 8 warps; the dense ones with
+# 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
+DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None)
+MOE_CONFIG = dict(num_warps=8)
+
+
+def _decode_jnp(words: jax.Array) -> list[jax.Array]:
+  """int32 [G, 16] -> 8 bf16 [G, 16]: plane j = 128 + nibble j."""
+  planes = []
+  for j in range(layout.NIBBLES):
+    v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
+    planes.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16))
+  return planes
+
+
+def _nibble_asm(j: int) -> str:
+  """Two int32 words ($1, $2: Triton packs pack=2 consecutive elements) -> one register of two bf16 ($0): 128 +
+  nibble j of the first word in the low half, of the second word in the high half. `prmt` moves byte j//2 of
+  each word into the low byte of its 16-bit lane, a shift brings an odd nibble down, and one `lop3` computes
+  (t & 0x000F000F) | 0x43004300: two or three instructions per pair of values."""
+  byte = j // 2
+  selector = byte | (4 + byte) << 8
+  shift = f"shr.u32 t, t, 4;\n" if j % 2 else ""
+  return ("{\n.reg .b32 t;\n" f"prmt.b32 t, $1, $2, {selector:#06x};\n" + shift
+          + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
+
+
+def _decode_ptx(words: jax.Array) -> list[jax.Array]:
+  # One asm call per nibble: this jax version's Triton lowering of elementwise_inline_asm returns one result.
+  return [pltriton.elementwise_inline_asm(
+      _nibble_asm(j), args=[words], constraints="=r,r,r", pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)])[0] for j in range(layout.NIBBLES)]
+
+
+def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *,
+            block_m: int, block_n: int, group: int, k: int, n_chunks: int, chunks_per_split: int, gated: bool,
+            up_offset: int, weighted: bool, split: bool, decode: str):
+  b, p, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  expert = block_expert_ref[b]
+  decode_fn = _decode_ptx if decode == "ptx" else _decode_jnp
+  planes_per_group = group // layout.PLANE_K if group >= layout.PLANE_K else 1
+  groups_per_chunk = layout.CHUNK_K // group
+
+  @pl.when(expert >= 0)
+  def _():
+    rows = row_token_ref[pl.ds(b * block_m, block_m)]                 # [bm] row of x, -1 = padding
+    valid = rows >= 0
+    safe = jnp.where(valid, rows, 0)
+    cols = [p * block_n] + ([up_offset + p * block_n] if gated else [])
+    c_lo = sp * chunks_per_split
+    c_hi = jnp.minimum(c_lo + chunks_per_split, n_chunks)
+
+    def body(c, accs):
+      k0 = c * layout.CHUNK_K
+      xs, xsums = [], []
+      for j in range(layout.NIBBLES):
+        kk = k0 + j * layout.PLANE_K + lax.broadcasted_iota(jnp.int32, (1, layout.PLANE_K), 1)
+        xj = pltriton.load(x_ref.at[safe[:, None], kk], mask=valid[:, None] & (kk < k), other=0.0)
+        xs.append(xj)
+        xsums.append(jnp.sum(xj.astype(jnp.float32), axis=1, keepdims=True))               # [bm, 1]
+      new = []
+      for acc, col in zip(accs, cols):
+        words = pltriton.load(w_ref.at[expert, pl.ds(c * layout.PLANE_K, layout.PLANE_K), pl.ds(col, block_n)],
+                              eviction_policy="evict_first")                             # [32, BN]
+        planes = decode_fn(words)
+        for gi in range(groups_per_chunk):
+          js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
+          d = sum(pltriton.dot(xs[j], planes[j]) for j in js)                             # [bm, BN] f32
+          xsum = sum(xsums[j] for j in js)
+          g = c * groups_per_chunk + gi
+          sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
+          zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc
+          acc = acc + d * sc - xsum * zo
+        new.append(acc)
+      return tuple(new)
+
+    zero = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = lax.fori_loop(c_lo, c_hi, body, (zero,) * len(cols))
+    out_rows = pl.ds(b * block_m, block_m)
+    if split:                                   # float32 partials: [S, rows, N_out(, both halves)]
+      for acc, col in zip(accs, cols):
+        y = acc * row_weight_ref[out_rows][:, None] if weighted else acc
+        pltriton.store(o_ref.at[sp, out_rows, pl.ds(col, block_n)], y, mask=valid[:, None])
+      return
+    y = accs[0]
+    if gated:
+      y = (y * jax.nn.sigmoid(y)) * accs[1]
+    if weighted:
+      y = y * row_weight_ref[out_rows][:, None]
+    pltriton.store(o_ref.at[out_rows, pl.ds(p * block_n, block_n)], y.astype(o_ref.dtype), mask=valid[:, None])
+
+
+def _splits(n_chunks: int, programs: int, target: int) -> int:
+  """K splits so that about `target` programs run (never more splits than chunks)."""
+  want = max(1, -(-target // max(programs, 1)))
+  s = min(want, n_chunks)
+  return -(-n_chunks // -(-n_chunks // s))        # same chunks per split, fewest splits
+
+
+def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
+                   row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
+                   busy_blocks: int, interpret: bool = False, config: dict | None = None) -> jax.Array:
+  """Rows [NB*block_m, N_out] (N_out = N_pad/2 when gated, else N_pad); rows of unused blocks and padding rows
+  are left unwritten (garbage). x [R, K] (rows picked by row_token); w stacked [E, ...] (a dense weight is passed
+  with E = 1 and every block on expert 0). busy_blocks: how many blocks are expected in use (sizes the K split)."""
+  cfg = dict(DEFAULT_CONFIG, **(config or {}))
+  if interpret:
+    cfg["decode"] = "jnp"                      # inline PTX has no CPU form
+  n_out = w.n_pad // 2 if gated else w.n_pad
+  block_n = cfg["block_n"] if n_out % cfg["block_n"] == 0 else layout.ALIGN_N
+  n_chunks = w.k_pad // layout.CHUNK_K
+  nb = block_expert.shape[0]
+  tiles = n_out // block_n
+  splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
+  cps = -(-n_chunks // splits)
+  split = splits > 1
+  kernel = functools.partial(
+      _kernel, block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
+      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"])
+  if split:
+    out_shape = jax.ShapeDtypeStruct((splits, nb * block_m, w.n_pad), jnp.float32)
+  else:
+    out_shape = jax.ShapeDtypeStruct((nb * block_m, n_out), out_dtype)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    out = pl.pallas_call(
+        kernel, grid=(nb, tiles, splits), out_shape=out_shape, interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        name="w4a16_gated" if gated else "w4a16",
+    )(block_expert, row_token, row_weight, x, w.packed, w.scales, w.zeros)
+  if not split:
+    return out
+  out = out.sum(axis=0)                        # garbage rows stay garbage; valid rows are complete sums
+  if gated:
+    g, u = out[:, :n_out], out[:, n_out:]
+    out = jax.nn.silu(g) * u
+  return out.astype(out_dtype)
+
+
+def _as_stack(w: layout.W4A16Weight) -> layout.W4A16Weight:
+  return layout.W4A16Weight(packed=w.packed[None], scales=w.scales[None], zeros=w.zeros[None], k=w.k, n=w.n,
+                            group_size=w.group_size)
+
+
+def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None):
+  """x [M, K] bf16 @ W [K, N] -> [M, N] bf16."""
+  m = x.shape[0]
+  block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+  nb = -(-m // block_m)
+  rows = jnp.arange(nb * block_m, dtype=jnp.int32)
+  row_token = jnp.where(rows < m, rows, -1)
+  y = grouped_matmul(x, _as_stack(w), jnp.zeros((nb,), jnp.int32), row_token, jnp.ones_like(rows, jnp.float32),
+                     block_m=block_m, gated=False, weighted=False, out_dtype=x.dtype, busy_blocks=nb,
+                     interpret=interpret, config={"num_warps": 2 if block_m <= 16 else 4, **(config or {})})
+  return y[:m, :w.n]
+
+
+def moe(x, routing_, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,
+        interpret: bool = False, config: dict | None = None):
+  """Sorted, router-weighted rows [NB*block_m, D] float32 of the expert MLP (combine() sums them per token)."""
+  bm = routing_.block_m
+  config = dict(MOE_CONFIG, **(config or {}))
+  h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
+                     gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
+                     config=config)
+  # The down projection reads h's rows in place: row r of block b is h[r] (valid where row_token >= 0).
+  rows = jnp.arange(h.shape[0], dtype=jnp.int32)
+  row_self = jnp.where(routing_.row_token >= 0, rows, -1)
+  y = grouped_matmul(h, w2, routing_.block_expert, row_self, routing_.row_weight, block_m=bm, gated=False,
+                     weighted=True, out_dtype=jnp.float32, busy_blocks=busy_blocks, interpret=interpret,
+                     config=config)
+  return y[:, :w2.n]

@@ -1,0 +1,219 @@
+"""Benchmark of the w4a16 ops (pallas_kernels.w4a16) at DeepSeek-V3 shapes, with the copy ceiling of the same run.
+
+  python scripts/bench_w4a16.py --out bench/results/w4a16_h200.json [--commit SHA] [--quick] [--sweep]
+
+Dense AWQ linears (7168->18432, 18432->7168, 7168->24576, 16384->7168) at M = 1, 16, 64, 128, and the routed
+experts of one MoE layer (E=256, D=7168, I=2048, top-8, g64 and g128) at T = 1, 16, 64, 128, 256 with uniform
+random routing. For each: microseconds, the bytes that must be read (weights of the experts that got tokens,
+scales and zeros included), GB/s and % of the copy ceiling. The `xla` backend (dequantize + dot) is timed as the
+baseline where it finishes in reasonable time. Before timing, each kernel shape is checked against the xla
+reference on the same inputs (relative error of the output). --sweep times kernel configurations on two shapes.
+Prints a table last and writes JSON (device, jax version, commit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.w4a16 import api, layout, routing
+
+DENSE_SHAPES = ((7168, 18432), (18432, 7168), (7168, 24576), (16384, 7168))
+MOE = dict(experts=256, hidden=7168, inter=2048, top_k=8)
+
+
+def time_calls(fn, arg_sets, *, min_batch_s=0.05, batches=5) -> float:
+  """Median seconds per call: batches of back-to-back async calls, rotating over arg_sets, synced at the end."""
+  jax.block_until_ready(fn(*arg_sets[0]))
+  jax.block_until_ready(fn(*arg_sets[-1]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  one = max(time.perf_counter() - t0, 1e-6)
+  n = max(len(arg_sets), min(500, int(min_batch_s / one)))
+  samples = []
+  for _ in range(batches):
+    out = None
+    t0 = time.perf_counter()
+    for i in range(n):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / n)
+  return statistics.median(samples)
+
+
+def copy_ceiling_gbps(nbytes=2 << 30) -> float:
+  xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]
+  f = jax.jit(lambda x: x + 1)
+  return 2 * nbytes / time_calls(f, [(x,) for x in xs], min_batch_s=0.2) / 1e9
+
+
+def random_weight(key, lead: tuple, k: int, n: int, group: int, gate_up: bool = False) -> layout.W4A16Weight:
+  """Random packed weights made on the device (any int32 is a valid word of 8 nibbles)."""
+  n_pad = layout.padded_n(n) * (2 if gate_up else 1)
+  k_pad = layout.padded_k(k)
+  kp, ks, kz = jax.random.split(key, 3)
+  packed = jax.random.bits(kp, (*lead, k_pad // layout.NIBBLES, n_pad), jnp.uint32)
+  packed = jax.lax.bitcast_convert_type(packed, jnp.int32)
+  scales = (jax.random.uniform(ks, (*lead, k_pad // group, n_pad), jnp.float32, 0.5, 1.5)
+            / (4.6 * np.sqrt(k))).astype(jnp.float16)
+  zeros = jax.random.randint(kz, (*lead, k_pad // group, n_pad), 0, 16, jnp.int32).astype(jnp.uint8)
+  return layout.W4A16Weight(packed=packed, scales=scales, zeros=zeros, k=k, n=(n_pad if gate_up else n),
+                            group_size=group)
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def expert_bytes(w: layout.W4A16Weight) -> int:
+  return w.nbytes() // w.lead_shape[0]
+
+
+def random_routing(key, t: int, e: int, k: int):
+  """Uniform random top-k (distinct experts per token) and weights."""
+  ks, kw = jax.random.split(key)
+  ids = jnp.argsort(jax.random.uniform(ks, (t, e)), axis=1)[:, :k].astype(jnp.int32)
+  return ids, jax.random.uniform(kw, (t, k), jnp.float32, 0.05, 0.3)
+
+
+def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
+  key = jax.random.key(0)
+  for (k, n) in DENSE_SHAPES[:2] if quick else DENSE_SHAPES:
+    w = random_weight(key, (), k, n, 64)
+    wb = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.01
+    for m in ms:
+      xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(2)]
+      f_tri = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="triton", config=config))
+      f_xla = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="xla"))
+      f_bf16 = jax.jit(lambda x, w: x @ w)
+      err = rel_err(f_tri(xs[0], w), f_xla(xs[0], w)) if check else None
+      t_tri = time_calls(f_tri, [(x, w) for x in xs])
+      t_xla = time_calls(f_xla, [(x, w) for x in xs])
+      t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs])
+      nbytes = w.nbytes() + 2 * m * (k + n)
+      rows.append(dict(op="dense", k=k, n=n, m=m, group=64, us=t_tri * 1e6, xla_us=t_xla * 1e6,
+                       bf16_dot_us=t_bf16 * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
+                       pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, rel_err_vs_xla=err, config=config))
+      print(rows[-1], flush=True)
+
+
+def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
+  e, d, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
+  for g in groups:
+    w13 = random_weight(jax.random.key(1), (e,), d, i, g, gate_up=True)
+    w2 = random_weight(jax.random.key(2), (e,), i, d, g)
+    per_expert = expert_bytes(w13) + expert_bytes(w2)
+    for t in ts:
+      sets = []
+      for s in range(2):
+        ids, wts = random_routing(jax.random.key(100 + s), t, e, k)
+        sets.append((jax.random.normal(jax.random.key(200 + s), (t, d), jnp.bfloat16), ids, wts))
+      f_tri = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="triton",
+                                                                  config=config))
+      err = None
+      if t in check_ts:
+        f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
+        err = rel_err(f_tri(*sets[0], w13, w2), f_xla(*sets[0], w13, w2))
+      t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets])
+      t_xla = None
+      if t in xla_ts:
+        f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
+        t_xla = time_calls(f_xla, [(*s, w13, w2) for s in sets], min_batch_s=0.01, batches=3)
+      used = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
+      nbytes = used * per_expert + 2 * t * d * 2
+      rows.append(dict(op="moe", t=t, group=g, experts_used=used, us=t_tri * 1e6,
+                       xla_us=None if t_xla is None else t_xla * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
+                       pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3),
+                       rel_err_vs_xla=err, config=config))
+      print(rows[-1], flush=True)
+
+
+def check_exact_small(rows):
+  """Float64 NumPy reference on a small odd shape, on the GPU kernel (catches layout/decode errors)."""
+  rng = np.random.default_rng(0)
+  k, n, g, m = 256, 200, 64, 7
+  q, z = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (k // g, n))
+  s = (rng.uniform(0.5, 1.5, (k // g, n)) / 60).astype(np.float16)
+  w = jax.tree.map(jnp.asarray, layout.pack(q, z, s, g, xp=np))
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  xb = jnp.asarray(x, jnp.bfloat16)
+  wd = (q - np.repeat(z, g, 0)) * np.repeat(s.astype(np.float64), g, 0)
+  ref = np.asarray(xb, np.float64) @ wd
+  for decode in ("ptx", "jnp"):
+    y = api.w4a16_matmul(xb, w, backend="triton", config=dict(decode=decode))
+    err = float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
+    rows.append(dict(op="check_f64", decode=decode, m=m, k=k, n=n, max_err_rel_to_max=err, ok=err < 8e-3))
+    print(rows[-1], flush=True)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default="bench/results/w4a16.json")
+  ap.add_argument("--commit", default=None)
+  ap.add_argument("--quick", action="store_true", help="fewer shapes")
+  ap.add_argument("--sweep", action="store_true", help="time kernel configurations first")
+  ap.add_argument("--ops", nargs="+", default=["moe", "dense"], choices=["moe", "dense"])
+  args = ap.parse_args(argv)
+  commit = args.commit
+  if commit is None:
+    try:
+      commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001 - no git on the device machine: pass --commit
+      commit = "unknown"
+  dev = jax.devices()[0]
+  result = dict(device=dev.device_kind, jax=jax.__version__, commit=commit, rows=[])
+  rows = result["rows"]
+
+  def save():
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+  ceiling = copy_ceiling_gbps()
+  result["copy_gbps"] = ceiling
+  print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
+  check_exact_small(rows)
+  save()
+  if args.sweep:
+    for cfg in [dict(), dict(num_warps=2), dict(num_warps=8), dict(block_n=256), dict(block_n=256, num_warps=8),
+                dict(block_n=64, num_warps=8), dict(num_stages=1), dict(block_n=256, num_warps=2)]:
+      sweep_rows = []
+      bench_moe(sweep_rows, ceiling, (64,), (64,), (), config=cfg, check_ts=())
+      bench_dense(sweep_rows, ceiling, (16,), True, config=cfg, check=False)
+      for r in sweep_rows:
+        r["sweep"] = True
+      rows.extend(sweep_rows)
+      save()
+  if "moe" in args.ops:
+    bench_moe(rows, ceiling, (1, 16, 64) if args.quick else (1, 16, 64, 128, 256), (64,) if args.quick else (64, 128),
+              xla_ts=(1, 64))
+    save()
+  if "dense" in args.ops:
+    bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick)
+  save()
+
+  print(f"\n{dev.device_kind}, jax {jax.__version__}, commit {commit}, copy {ceiling:.0f} GB/s")
+  print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8}")
+  for r in rows:
+    if r["op"] == "check_f64":
+      print(f"check  decode={r['decode']:4} max err {r['max_err_rel_to_max']:.2e} ok={r['ok']}")
+      continue
+    shape = (f"T{r['t']} g{r['group']} E{r['experts_used']:.0f}" if r["op"] == "moe"
+             else f"{r['k']}x{r['n']} M{r['m']}")
+    tag = " sweep " + json.dumps(r["config"]) if r.get("sweep") else ""
+    xla = f"{r['xla_us']:9.1f}" if r.get("xla_us") else f"{'-':>9}"
+    err = f"{r['rel_err_vs_xla']:.1e}" if r.get("rel_err_vs_xla") is not None else "-"
+    print(f"{r['op']:6} {shape:>22} {r['us']:9.1f} {xla} {r['gbps']:7.0f} {r['pct_copy']:6.1f} {err:>8}{tag}")
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,198 @@
+"""w4a16 ops (pallas_kernels.w4a16): the Triton kernels in interpret mode and the XLA reference against a float64
+NumPy dequantize-and-matmul, on fresh random AWQ weights, odd shapes and routing edge cases."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.w4a16 import api, layout, routing
+
+BACKENDS = ("triton", "xla")
+
+
+def rand_awq(rng, k, n, g, lead=()):
+  q = rng.integers(0, 16, (*lead, k, n))
+  z = rng.integers(0, 16, (*lead, k // g, n))
+  s = (rng.uniform(0.5, 1.5, (*lead, k // g, n)) / (4.6 * np.sqrt(k))).astype(np.float16)
+  return q, z, s
+
+
+def deq64(q, z, s, g):
+  return (q.astype(np.float64) - np.repeat(z, g, axis=-2)) * np.repeat(s.astype(np.float64), g, axis=-2)
+
+
+def to_device(w):
+  return jax.tree.map(jnp.asarray, w)
+
+
+def max_rel(y, ref):
+  y = np.asarray(y, np.float64)
+  assert np.isfinite(y).all(), "output has NaN/inf"
+  return np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_pack_roundtrip_and_layout(g):
+  rng = np.random.default_rng(g)
+  q, z, s = rand_awq(rng, 3 * g, 200, g, lead=(2,))
+  w = layout.pack(q, z, s, g, xp=np)
+  assert w.packed.shape == (2, layout.padded_k(3 * g) // 8, 256) and w.k == 3 * g and w.n == 200
+  # the documented bit position: word (32c + r, n), nibble j = q[256c + 32j + r, n]
+  c, r, j, n = 0, 5, 3, 77
+  kk = 256 * c + 32 * j + r
+  if kk < 3 * g:
+    assert (int(w.packed[1, 32 * c + r, n]) >> (4 * j)) & 0xF == q[1, kk, n]
+  q2, z2, s2 = layout.unpack(to_device(w))
+  np.testing.assert_array_equal(np.asarray(q2), q)
+  np.testing.assert_array_equal(np.asarray(z2), z)
+  np.testing.assert_array_equal(np.asarray(s2), s)
+  # packing on the device gives the same words
+  wj = layout.pack(jnp.asarray(q), jnp.asarray(z), jnp.asarray(s), g)
+  np.testing.assert_array_equal(np.asarray(wj.packed), w.packed)
+
+
+def test_pack_rejects_bad_input():
+  rng = np.random.default_rng(0)
+  q, z, s = rand_awq(rng, 128, 64, 64)
+  with pytest.raises(ValueError, match="outside 0..15"):
+    layout.pack(q + 1, z, s, 64, xp=np)
+  with pytest.raises(ValueError, match="group size 48"):
+    layout.pack(q, z, s, 48, xp=np)
+  with pytest.raises(ValueError, match="zeros and scales"):
+    layout.pack(q, z[:1], s, 64, xp=np)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,k,n,g", [(1, 128, 200, 32), (7, 512, 128, 64), (64, 384, 320, 128),
+                                     (257, 256, 64, 64), (5, 1024, 192, 64)])
+def test_matmul_vs_float64(backend, m, k, n, g):
+  rng = np.random.default_rng(m * 1000 + k + n)
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  ref = np.asarray(x, np.float64) @ deq64(q, z, s, g)
+  y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=backend, interpret=True))(x, w)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  # bf16 output rounding (2^-9) plus, for xla, bf16-rounded weights
+  assert max_rel(y, ref) < 1e-2
+
+
+def test_matmul_split_k_matches_unsplit():
+  rng = np.random.default_rng(3)
+  q, z, s = rand_awq(rng, 1024, 128, 64)
+  w = to_device(layout.pack(q, z, s, 64, xp=np))
+  x = jnp.asarray(rng.standard_normal((9, 1024)), jnp.bfloat16)
+  ys = [api.w4a16_matmul(x, w, backend="triton", interpret=True, config=dict(splits=sp)) for sp in (1, 2, 4)]
+  ref = np.asarray(x, np.float64) @ deq64(q, z, s, 64)
+  for y in ys:
+    assert max_rel(y, ref) < 1e-2
+
+
+def test_matmul_zero_rows_and_bad_shapes():
+  rng = np.random.default_rng(1)
+  w = to_device(layout.pack(*rand_awq(rng, 128, 64, 64), 64, xp=np))
+  assert api.w4a16_matmul(jnp.zeros((0, 128), jnp.bfloat16), w, backend="triton", interpret=True).shape == (0, 64)
+  with pytest.raises(ValueError, match="K=128"):
+    api.w4a16_matmul(jnp.zeros((3, 64), jnp.bfloat16), w)
+
+
+def moe_ref64(x, ids, wts, gate, up, down, g):
+  xd = np.asarray(x, np.float64)
+  out = np.zeros((x.shape[0], down[0].shape[-1]))
+  for t in range(ids.shape[0]):
+    for kk in range(ids.shape[1]):
+      e = ids[t, kk]
+      if not 0 <= e < gate[0].shape[0]:
+        continue
+      gg = xd[t] @ deq64(*[a[e] for a in gate], g)
+      uu = xd[t] @ deq64(*[a[e] for a in up], g)
+      out[t] += wts[t, kk] * ((gg / (1 + np.exp(-gg)) * uu) @ deq64(*[a[e] for a in down], g))
+  return out
+
+
+def make_moe(rng, e, d, i, g):
+  gate, up, down = rand_awq(rng, d, i, g, (e,)), rand_awq(rng, d, i, g, (e,)), rand_awq(rng, i, d, g, (e,))
+  w13 = to_device(layout.pack_gate_up(gate, up, g, xp=np))
+  w2 = to_device(layout.pack(*down, g, xp=np))
+  return gate, up, down, w13, w2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["random", "one_expert", "duplicates_and_dropped", "t1"])
+def test_moe_vs_float64(backend, case):
+  rng = np.random.default_rng(hash(case) % 1000)
+  e, d, i, g, t, k = 7, 512, 192, 64, 9, 3          # 7 experts: divides nothing
+  if case == "t1":
+    t = 1
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  if case == "one_expert":
+    ids[:] = 4                                        # every pair on one expert (also repeated within a token)
+  if case == "duplicates_and_dropped":
+    ids[0] = [2, 2, 9]                                # a repeated expert and an out-of-range id (dropped)
+    ids[1] = [-1, 0, 6]
+  wts = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
+  ref = moe_ref64(x, ids, wts, gate, up, down, g)
+  f = jax.jit(lambda *a: api.w4a16_moe(*a, backend=backend, interpret=True))
+  y = f(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2)
+  assert y.shape == (t, d)
+  assert max_rel(y, ref) < 1.5e-2
+
+
+def test_moe_nan_in_unused_experts_never_reaches_output():
+  rng = np.random.default_rng(7)
+  e, d, i, g, t, k = 6, 256, 128, 64, 5, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = rng.integers(0, 3, (t, k)).astype(np.int32)   # experts 3..5 unused: poison their scales
+  poison = lambda w: layout.W4A16Weight(packed=w.packed, scales=w.scales.at[3:].set(jnp.nan), zeros=w.zeros,
+                                         k=w.k, n=w.n, group_size=w.group_size)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), poison(w13), poison(w2), backend="triton",
+                    interpret=True)
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
+def test_routing_blocks():
+  ids = jnp.asarray([[0, 3], [3, 3], [1, 5], [9, 0]], jnp.int32)     # 5, 9 out of range for E = 4
+  wts = jnp.arange(8, dtype=jnp.float32).reshape(4, 2) + 1
+  rt = routing.align(ids, wts, 4, 2)
+  be = np.asarray(rt.block_expert)
+  assert be.shape[0] == routing.max_blocks(8, 4, 2)
+  # expert 0: 2 rows (1 block), expert 1: 1 row (1 block), expert 3: 3 rows (2 blocks); then unused blocks
+  np.testing.assert_array_equal(be[:4], [0, 1, 3, 3])
+  assert (be[4:] == -1).all()
+  pr = np.asarray(rt.pair_row)
+  assert pr[2, 1] == -1 and pr[3, 0] == -1
+  tok, w = np.asarray(rt.row_token), np.asarray(rt.row_weight)
+  for t in range(4):
+    for kk in range(2):
+      if pr[t, kk] >= 0:
+        assert tok[pr[t, kk]] == t and w[pr[t, kk]] == wts[t, kk]
+  assert (w[tok < 0] == 0).all()
+
+
+def test_backend_rules(caplog):
+  with pytest.raises(ValueError, match="does not exist yet"):
+    api.resolve_backend("mosaic_sm90", jnp.bfloat16)
+  with pytest.raises(ValueError, match="unknown"):
+    api.resolve_backend("cuda", jnp.bfloat16)
+  with pytest.raises(ValueError, match="bfloat16 activations"):
+    api.resolve_backend("triton", jnp.float32, interpret=True)
+  if jax.devices()[0].platform == "cpu":
+    with pytest.raises(ValueError, match="interpret=True"):
+      api.resolve_backend("triton", jnp.bfloat16)
+    assert api.resolve_backend("auto", jnp.bfloat16)[0] == "xla"
+  assert api.resolve_backend("auto", jnp.float32)[0] == "xla"
+  assert api.resolve_backend("auto", jnp.bfloat16, interpret=True)[0] == "triton"
+  api._logged.clear()
+  rng = np.random.default_rng(2)
+  w = to_device(layout.pack(*rand_awq(rng, 128, 64, 64), 64, xp=np))
+  with caplog.at_level(logging.INFO, logger="pallas_kernels"):
+    for _ in range(2):
+      api.w4a16_matmul(jnp.ones((2, 128), jnp.float32), w)
+  lines = [r for r in caplog.records if "w4a16 backend" in r.getMessage()]
+  assert len(lines) == 1 and "xla" in lines[0].getMessage()

@@ -7,7 +7,7 @@ Public names are imported lazily, so a module that is not built yet (e.g. the en
 import importlib
 
 _EXPORTS = {
-    "load_model": "mla_jax.checkpoint.hf",
+    "load_model": "mla_jax.checkpoint.load",
     "ModelConfig": "mla_jax.config",
     "AWQConfig": "mla_jax.config",
     "LLM": "mla_jax.engine",

@@ -46,7 +46,7 @@ _IGNORED_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class AWQConfig:
-    """AutoAWQ GEMM quantization (DESIGN.md §8): 4-bit weights, per-group scales and zero points."""
+    """AutoAWQ GEMM quantization (docs/architecture.md §6): 4-bit weights, per-group scales and zero points."""
 
     bits: int = 4
     group_size: int = 128
@@ -363,3 +363,31 @@ def _parse_hf_dict(d: dict[str, Any]) -> ModelConfig:
     if n_routed and cfg.moe_intermediate_size <= 0:
         raise ValueError("config.json has n_routed_experts but no moe_intermediate_size")
     return cfg
+
+
+def deepseek_v3_hf_config(awq_group_size: int | None = None, **overrides: Any) -> dict[str, Any]:
+    """config.json of the full-size DeepSeek-V3 (61 layers, hidden 7168, 128 heads, MLA with q_lora_rank 1536 and
+    kv_lora_rank 512, 256 routed experts top-8 in 8 groups, the first 3 layers dense, YaRN x40 over 4096) as this
+    package serves it: without the multi-token-prediction layer (num_nextn_predict_layers 0).
+
+    awq_group_size: add an AutoAWQ GEMM int4 quantization_config with this group size (nothing excluded).
+    overrides: replace top-level keys (e.g. num_hidden_layers for a slice, smaller dims for a CPU check).
+    Benchmarks and the full-size run build their random-weight models from it; `ModelConfig.from_hf_dict` parses it.
+    """
+    d: dict[str, Any] = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+        norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc",
+        first_k_dense_replace=3, moe_layer_freq=1, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                          original_max_position_embeddings=4096),
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
+    )
+    if awq_group_size is not None:
+        d["quantization_config"] = dict(quant_method="awq", bits=4, group_size=awq_group_size, zero_point=True,
+                                        version="gemm", modules_to_not_convert=[])
+    d.update(overrides)
+    return d

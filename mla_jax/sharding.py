@@ -1,5 +1,6 @@
 """Running the model over several devices: the mesh, partition rules for every weight and cache array, and the
-shard_map islands where a Pallas kernel or the expert dispatch must see per-device pieces (DESIGN.md §7, §9).
+shard_map islands where a Pallas kernel or the expert dispatch must see per-device pieces
+(docs/architecture.md §7, §9).
 
 One mesh axis, `AXIS`, spans all devices (of all processes). Two attention modes share it:
 
@@ -19,7 +20,11 @@ SPMD partitioner derives the collectives from the parameter shardings plus the f
 constraints in `ShardingPlan.tokens` / `ShardingPlan.replicated`.
 
 The islands (`mla_decode`, `write_cache`, `experts`) run their body under `jax.shard_map(..., check_vma=False)`
-(Pallas kernels on sharded arrays outside shard_map raise; DESIGN §7).
+(Pallas kernels on sharded arrays outside shard_map raise; docs/architecture.md §9).
+
+This module knows the model only by its parameter paths and the small `MixtureOfExperts` protocol; it imports
+no other part of mla_jax. Loading a checkpoint onto a plan is mla_jax/checkpoint/sharded.py; the engine's page
+pools for data-parallel attention and its memory accounting are mla_jax/engine/pools.py and memory.py.
 """
 from __future__ import annotations
 
@@ -28,12 +33,15 @@ import enum
 import logging
 import math
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import pallas_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +210,19 @@ def check_config(cfg, num_devices: int, data_parallel_attention: bool) -> None:
 # The plan
 # ---------------------------------------------------------------------------------------------------------------
 
+@runtime_checkable
+class MixtureOfExperts(Protocol):
+    """What `ShardingPlan.mlp` needs of a mixture-of-experts block (mla_jax.model.moe.MoE) to run its routed
+    experts expert-parallel: route(x [T, D]) -> (topk_idx [T, K], topk_w [T, K]); experts, called as
+    experts(x, topk_idx, topk_w) and stacked on a leading expert axis, whose `padding_expert_index` names the
+    index for pairs a device must not compute; shared_experts (a dense MLP, or None)."""
+    experts: Any
+    shared_experts: Any
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+
+
+
 def _cache_page_axis(ndim: int) -> int:
     """Cache arrays end in [pages, page_size, features] (a stacked cache has leading layer axes)."""
     if ndim < 3:
@@ -255,7 +276,7 @@ class ShardingPlan:
     def place(self, state) -> Any:
         """Moves an in-memory parameter pytree onto the mesh by the rules. Each device receives its shard only
         (device_put of a host/one-device array transfers the slices). For checkpoints, prefer the loaders,
-        which never build the full array (`mla_jax.sharding.load_sharded`)."""
+        which never build the full array (`mla_jax.checkpoint.sharded.load_sharded`)."""
         return jax.device_put(state, self.param_shardings(state))
 
     def engine_weight_shardings(self, weights) -> Any:
@@ -333,14 +354,14 @@ class ShardingPlan:
         tokens are replicated into the layer (with data-parallel attention during decode that is an all-gather
         of the devices' rows), dense MLP and shared experts run tensor-parallel, routed experts expert-parallel
         (`experts`), and the result goes back to the caller's layout (`decode`: the decode row layout, else
-        replicated). Same math as module(x) (MoE.__call__: route, routed experts, + shared experts)."""
+        replicated). Same math as module(x) (MoE.__call__: route, routed experts, + shared experts); a module is
+        taken apart that way when it is a `MixtureOfExperts`."""
         if self.num_devices == 1:
             return module(x)
-        from mla_jax.model.moe import MoE
         rows_split = decode and self.data_parallel_attention
         back = self.decode_rows if decode else self.replicated
         x = self.replicated(x)
-        if not isinstance(module, MoE):
+        if not isinstance(module, MixtureOfExperts):
             return back(module(x))
         flat = x.reshape(-1, x.shape[-1])
         topk_idx, topk_w = module.route(flat)
@@ -354,7 +375,6 @@ class ShardingPlan:
         """pallas_kernels.mla_decode on each device's part: TP — all sequences, H/N heads (q [B, Sq, H, 576]
         split on H, the replicated cache); DP attention — B/N sequences with all heads, the device's own cache
         pages (block-table entries are global page ids; each device maps them to its local pages)."""
-        import pallas_kernels
         if self.num_devices == 1:
             return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
         if self.data_parallel_attention:
@@ -403,20 +423,20 @@ class ShardingPlan:
         return jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(), P(), P()), out_specs=specs,
                              check_vma=False)(cache, slots, latent, rope)
 
-    def read_pages(self, gather: Callable, cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """gather(cache, block_table) -> (latent [N, P·ps, ·], rope [N, P·ps, ·]), each row's pages dequantized
-        (the engine's `read_pages`), with the rows replicated. TP: plain (the cache is replicated). DP attention:
-        each device gathers the pages it owns and zeros the rest, and a sum over devices assembles every row
-        (each page has exactly one owner). Used by the prefill step to read a chunk's cached prefix."""
+    def read_pages(self, cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cache.gather(block_table) -> (latent [N, P·ps, ·], rope [N, P·ps, ·]), each row's pages dequantized,
+        with the rows replicated. TP: plain (the cache is replicated). DP attention: each device gathers the pages
+        it owns and zeros the rest, and a sum over devices assembles every row (each page has exactly one owner).
+        Used by the prefill step to read a chunk's cached prefix."""
         if self.num_devices == 1 or not self.data_parallel_attention:
-            return gather(cache, block_table)
+            return cache.gather(block_table)
         pages_local = _num_pages(cache) // self.num_devices
         page_size = _page_size(cache)
 
         def body(cache, block_table):
             local = block_table - jax.lax.axis_index(AXIS) * pages_local
             owned = (local >= 0) & (local < pages_local)                        # [N, P]
-            latent, rope = gather(cache, jnp.where(owned, local, 0))
+            latent, rope = cache.gather(jnp.where(owned, local, 0))
             owned_tok = jnp.repeat(owned, page_size, axis=1)[..., None]         # [N, P·ps, 1]
             latent = jnp.where(owned_tok, latent, 0)
             rope = jnp.where(owned_tok, rope, 0)
@@ -437,20 +457,17 @@ class ShardingPlan:
         """Expert-parallel routed experts: Σ_k w[t,k]·expert_{idx[t,k]}(x[t]) with the experts split over devices.
 
         x [T, D], topk_idx / topk_w [T, K], replicated (every device sees every token: that is the dispatch).
-        Each device runs its own E/N experts on the pairs routed to them. Pairs routed elsewhere get weight 0 and,
-        for AWQExperts, the out-of-range expert index E, which its tiling drops (no compute; checked by
-        tests/sharding_8dev_cases.py); other Experts modules get index 0, since their call contract has no
-        "no expert" index (a wasted row, still exact). Combine: a sum over devices in fp32 — psum (result
-        replicated) or, with scatter_rows, psum_scatter (device d keeps rows [d·T/N, (d+1)·T/N), the decode row
-        layout of data-parallel attention). Returns [T, D] in x.dtype."""
+        Each device runs its own E/N experts on the pairs routed to them. Pairs routed elsewhere get weight 0 and
+        the module's `padding_expert_index`: for AWQExperts an out-of-range index its tiling drops (no compute;
+        checked by tests/sharding_8dev_cases.py), for Experts index 0 (a wasted row, still exact). Combine: a sum
+        over devices in fp32 — psum (result replicated) or, with scatter_rows, psum_scatter (device d keeps rows
+        [d·T/N, (d+1)·T/N), the decode row layout of data-parallel attention). Returns [T, D] in x.dtype."""
         if self.num_devices == 1:
             return experts_module(x, topk_idx, topk_w)
-        from flax import nnx
         n = self.num_devices
         graphdef, state = nnx.split(experts_module)
         num_local = _leading_dim(state) // n
-        # AWQExperts sizes its tiling by its num_experts attribute (E, not E/N): an index >= E is dropped
-        elsewhere = experts_module.num_experts if _skips_out_of_range_experts(experts_module) else 0
+        elsewhere = experts_module.padding_expert_index
         if scatter_rows and x.shape[0] % n:
             raise ValueError(f"{x.shape[0]} token rows do not split evenly over {n} devices (data-parallel "
                              "attention needs the decode batch padded to a multiple of the device count)")
@@ -481,7 +498,6 @@ class SingleDevice:
 
     @staticmethod
     def mla_decode(q, cache, block_table, seq_lens, **kwargs):
-        import pallas_kernels
         return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
 
     @staticmethod
@@ -489,8 +505,8 @@ class SingleDevice:
         return cache.write(slots, latent, rope)
 
     @staticmethod
-    def read_pages(gather, cache, block_table):
-        return gather(cache, block_table)
+    def read_pages(cache, block_table):
+        return cache.gather(block_table)
 
     @staticmethod
     def mlp(module, x, *, decode: bool):
@@ -521,16 +537,6 @@ def ops(plan: Optional[ShardingPlan]):
     return SINGLE_DEVICE if plan is None else plan
 
 
-def _skips_out_of_range_experts(module) -> bool:
-    """AWQExperts routes pairs through route_tiles, whose per-expert counts (bincount with length E) leave out an
-    index >= E: such pairs land in no tile and cost nothing."""
-    try:
-        from mla_jax.quant.awq import AWQExperts
-    except ImportError:
-        return False
-    return isinstance(module, AWQExperts)
-
-
 def _num_pages(cache) -> int:
     leaf = jax.tree.leaves(cache)[0]
     return leaf.shape[_cache_page_axis(leaf.ndim)]
@@ -551,7 +557,7 @@ def _leading_dim(state) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Memory accounting (dry runs and reports)
+# Bytes per device (the engine's memory accounting: mla_jax/engine/memory.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 def bytes_per_device(arrays, shardings) -> int:
@@ -598,390 +604,8 @@ def fetch(x) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Sharded loading of HF safetensors checkpoints
-# ---------------------------------------------------------------------------------------------------------------
-
-def _hf_index(our_index: tuple, our_shape: tuple, hf_shape: tuple, transpose: bool):
-    """Map a slice of our parameter (per-expert part only) to a slice of the HF tensor, or None where the layout
-    change does not allow it (then the whole tensor is read). Handles transposed kernels ([out, in] -> [in, out])
-    and packed axes (AWQ int32 holding 8 int4 values: our axis is 8x the HF axis)."""
-    axes = list(range(len(our_shape)))
-    if transpose:
-        axes = axes[::-1]
-    hf_idx = [slice(None)] * len(hf_shape)
-    for ours, sl in enumerate(our_index):
-        hf_axis = axes[ours]
-        start, stop, step = sl.indices(our_shape[ours])
-        if step != 1:
-            return None
-        factor = our_shape[ours] // hf_shape[hf_axis]
-        if factor * hf_shape[hf_axis] != our_shape[ours] or start % factor or stop % factor:
-            return None
-        hf_idx[hf_axis] = slice(start // factor, stop // factor)
-    return tuple(hf_idx)
-
-
-def load_sharded(path, plan: ShardingPlan, dtype="float32"):
-    """(model, cfg) from an HF checkpoint directory (or a converted one: `load_converted_sharded`) with every
-    parameter placed by the plan's rules as it is read: each device's slice is read from the safetensors file
-    directly (jax.make_array_from_callback over safetensors slices), so no process holds a full copy of a sharded
-    weight, and with several processes each reads only what its own devices hold. Same checks as
-    mla_jax.load_model (names, shapes, dtypes)."""
-    import contextlib
-    import os
-
-    from flax import nnx
-    from safetensors import safe_open
-
-    from mla_jax.checkpoint import hf
-    from mla_jax.config import ModelConfig
-    from mla_jax.model.transformer import DeepseekV3
-
-    from mla_jax.checkpoint import converted
-
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
-    if converted.is_converted(path):
-        return load_converted_sharded(path, plan, dtype)
-    cfg = ModelConfig.from_pretrained(path)
-    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
-    jdtype = hf._resolve_dtype(dtype)
-    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
-    model_dtype = np.dtype(jdtype)
-    targets = hf.hf_param_map(cfg)
-    index = hf.read_tensor_index(path)
-
-    # Names and shapes, from headers, before any data (the messages of mla_jax.checkpoint.hf).
-    for name, (fn, shape, _) in index.items():
-        if name in targets:
-            if tuple(shape) != tuple(targets[name].hf_shape):
-                raise ValueError(f"tensor {name!r} in {os.path.basename(fn)} has shape {tuple(shape)}, but the "
-                                 f"model (from config.json) expects shape {tuple(targets[name].hf_shape)}")
-        elif not (hf._mtp_layer(name, cfg) or name.endswith(hf._IGNORED_SUFFIXES)
-                  or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
-            raise ValueError(f"unexpected tensor {name!r} with shape {tuple(shape)} in {os.path.basename(fn)}: "
-                             "no parameter of the model (from config.json) has that name")
-    missing = [n for n in targets if n not in index]
-    if missing:
-        shown = "; ".join(f"{n} (expected shape {targets[n].hf_shape})" for n in missing[:8])
-        raise ValueError(f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}")
-
-    groups: dict[tuple, dict] = {}          # param path -> {expert index or None: hf name}
-    for name, t in targets.items():
-        groups.setdefault(t.path, {})[t.expert] = name
-
-    with contextlib.ExitStack() as stack:
-        files: dict[str, Any] = {}
-
-        def read(name: str, idx: Optional[tuple]) -> np.ndarray:
-            fn = index[name][0]
-            if fn not in files:
-                files[fn] = stack.enter_context(safe_open(fn, framework="numpy"))
-            sl = files[fn].get_slice(name)
-            return sl[idx] if idx is not None else sl[:]
-
-        def piece(name: str, our_index: tuple, our_shape: tuple) -> np.ndarray:
-            """Our parameter's slice `our_index` of the (per-expert) tensor `name`."""
-            t = targets[name]
-            hf_idx = _hf_index(our_index, our_shape, t.hf_shape, t.transpose)
-            arr = hf._convert(read(name, hf_idx), index[name][2], t, model_dtype, name)
-            if hf_idx is None:
-                arr = arr[our_index]
-            want = tuple(len(range(*s.indices(n))) for s, n in zip(our_index, our_shape))
-            if arr.shape != want:
-                raise ValueError(f"internal: slice {our_index} of {name} converted to shape {arr.shape}, "
-                                 f"expected {want}")
-            return arr
-
-        for ppath, names in groups.items():
-            t0 = targets[next(iter(names.values()))]
-            var = getattr(hf._module_at(model, t0.module), t0.param)
-            abstract = var.get_value()
-            shape, pdtype = tuple(abstract.shape), abstract.dtype
-            sharding = plan.sharding(plan.param_spec(path_str(ppath), shape))
-            if None in names:                                 # one HF tensor -> the whole parameter
-                def cb(idx, name=names[None], shape=shape):
-                    return piece(name, idx, shape)
-            else:                                             # per-expert HF tensors -> stacked [E, ...]
-                if sorted(names) != list(range(shape[0])):
-                    raise ValueError(f"internal: experts of {ppath} in the name map: {sorted(names)}")
-
-                def cb(idx, names=names, shape=shape):
-                    experts = range(*idx[0].indices(shape[0]))
-                    return np.stack([piece(names[e], idx[1:], shape[1:]) for e in experts])
-            var.set_value(jax.make_array_from_callback(shape, sharding, cb, dtype=pdtype))
-
-    for p, v in nnx.to_flat_state(nnx.state(model)):
-        if isinstance(v.get_value(), jax.ShapeDtypeStruct):
-            raise ValueError(f"parameter {p} was not filled by any checkpoint tensor (hf_param_map is incomplete)")
-    return model, cfg
-
-
-def _unpack_nibbles(b: jax.Array) -> jax.Array:
-    """uint8 [..., n/2] -> int4 [..., n]: element 2i is the low nibble of byte i (the converted format's packing),
-    by arithmetic, so the result does not depend on how a backend lays int4 out in memory."""
-    lo, hi = (b & 0xF).astype(jnp.int8), (b >> 4).astype(jnp.int8)
-    v = jnp.stack([lo, hi], axis=-1).reshape(*b.shape[:-1], -1)
-    return ((v ^ 8) - 8).astype(jnp.int4)                      # sign-extend the 4-bit two's complement
-
-
-def load_converted_sharded(path, plan: ShardingPlan, dtype="float32"):
-    """(model, cfg) from a directory written by scripts/convert.py (mla_jax.checkpoint.converted), restored by
-    orbax straight into the plan's shardings: tensorstore reads each device's slice, so no process holds a full
-    copy of a sharded weight. Names, shapes and dtypes are checked against the manifest and the model as in
-    `load_converted`; the per-tensor crc32 (of whole arrays) is not, since no process sees a whole sharded array
-    — verify a copied checkpoint once with mla_jax.checkpoint.converted.load_converted(verify_checksums=True)."""
-    import json
-    import os
-
-    import orbax.checkpoint as ocp
-
-    from mla_jax.checkpoint import converted
-    from mla_jax.checkpoint.hf import _resolve_dtype
-    from mla_jax.config import ModelConfig
-
-    path = os.fspath(path)
-    with open(os.path.join(path, converted.MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != converted.FORMAT or manifest.get("version") != converted.VERSION:
-        raise ValueError(f"{path}/{converted.MANIFEST}: format {manifest.get('format')!r} version "
-                         f"{manifest.get('version')!r} is not {converted.FORMAT!r} version {converted.VERSION}; "
-                         "re-run scripts/convert.py")
-    cfg = ModelConfig.from_pretrained(path)
-    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
-    jdtype = _resolve_dtype(dtype)
-    model, params = converted._abstract_params(cfg, jdtype)
-    converted._check_against_manifest(manifest, params, np.dtype(jdtype), path)
-    entries = manifest["tensors"]
-    by_group: dict[str, list[str]] = {}
-    for name in params:
-        by_group.setdefault(entries[name]["group"], []).append(name)
-    ckpt = ocp.PyTreeCheckpointer()
-    for group, names in by_group.items():
-        gdir = os.path.join(path, converted.WEIGHTS, group)
-        if not os.path.isdir(gdir):
-            raise ValueError(f"converted checkpoint {path}: weights/{group} is missing (holds tensor "
-                             f"{names[0]!r}); re-run scripts/convert.py")
-        args, stored = {}, {}
-        for name in names:
-            p, want = params[name]
-            spec = plan.param_spec(path_str(p), want.shape)
-            shape, dtype = tuple(want.shape), want.dtype
-            if entries[name].get("stored_as") == getattr(converted, "INT4_NIBBLES", None):
-                # int4 [..., n] is stored as uint8 [..., n/2] (two per byte): restore the bytes with the same
-                # split and unpack them on the devices
-                shape, dtype = (*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)
-                if len(spec) == len(shape) and spec[-1] is not None and shape[-1] % plan.num_devices:
-                    raise ValueError(f"converted checkpoint {path}: int4 tensor {name!r} is stored two per byte "
-                                     f"({shape[-1]} bytes a row), which {plan.num_devices} devices cannot split "
-                                     "evenly; load it with a device count that divides that")
-            stored[name] = (shape, dtype, spec)
-            args[name] = ocp.ArrayRestoreArgs(sharding=plan.sharding(spec), global_shape=shape, dtype=dtype)
-        arrays = ckpt.restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
-        for name in names:
-            p, want = params[name]
-            a = arrays.pop(name)
-            shape, dtype, spec = stored[name]
-            if tuple(a.shape) != shape or a.dtype != dtype:
-                raise ValueError(f"converted checkpoint {path}: tensor {name!r} restored as {a.dtype}"
-                                 f"{tuple(a.shape)}, expected {dtype}{shape}")
-            if dtype != want.dtype:
-                a = jax.jit(_unpack_nibbles, out_shardings=plan.sharding(spec))(a)
-            converted._variable(model, p).set_value(a)
-    logger.info("restored %s sharded over %d devices (crc32 not verified in the sharded path)", path,
-                plan.num_devices)
-    return model, cfg
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Page pools for data-parallel attention (host-side bookkeeping for the engine's scheduler)
-# ---------------------------------------------------------------------------------------------------------------
-
-class DevicePagePools:
-    """The KV-cache pages split into one pool per device, for data-parallel attention: device d holds global pages
-    [d·P/N, (d+1)·P/N) (the cache's page axis is split that way) and every page of a sequence comes from one
-    device's pool, the device whose decode rows the sequence occupies.
-
-    Same interface as mla_jax.engine.paged.PageAllocator, plus:
-    - `near`: can_allocate / allocate for a sequence that already holds pages take them from that sequence's pool;
-      without `near` they start a new sequence on the device with the most free pages among those with a free
-      decode row (at most `max_seqs_per_device` sequences per device).
-    - free(pages) releases a whole sequence (the scheduler frees all of a request's pages at once).
-    - shares_pool(a, b): whether freeing sequence a's pages can make room for sequence b.
-    - device_of(pages).
-    Each device keeps its local page 0 as a scratch page, like the single pool's page 0 (global page 0, the
-    engine's scratch page, is device 0's).
-    """
-
-    def __init__(self, num_pages: int, page_size: int, num_devices: int, max_seqs_per_device: int):
-        from mla_jax.engine.paged import PageAllocator
-        if num_devices < 1 or num_pages % num_devices:
-            raise ValueError(f"data-parallel attention over {num_devices} devices splits the KV cache's pages "
-                             f"evenly: num_pages={num_pages} is not a multiple of {num_devices}")
-        if max_seqs_per_device < 1:
-            raise ValueError(f"max_seqs_per_device must be >= 1, got {max_seqs_per_device}")
-        self.num_pages, self.page_size, self.num_devices = num_pages, page_size, num_devices
-        self.pages_per_device = num_pages // num_devices
-        self.max_seqs_per_device = max_seqs_per_device
-        self._pools = [PageAllocator(self.pages_per_device, page_size) for _ in range(num_devices)]
-        self._seqs = [0] * num_devices
-
-    @property
-    def num_usable(self) -> int:
-        """Pages one sequence can hold at most (one device's pool)."""
-        return self._pools[0].num_usable
-
-    @property
-    def num_free(self) -> int:
-        return sum(p.num_free for p in self._pools)
-
-    def pages_for(self, num_tokens: int) -> int:
-        return self._pools[0].pages_for(num_tokens)
-
-    def device_of(self, pages) -> int:
-        devices = {int(p) // self.pages_per_device for p in pages}
-        if len(devices) != 1:
-            raise RuntimeError(f"pages {list(pages)[:8]} do not belong to exactly one device's pool: {devices}")
-        return devices.pop()
-
-    def seqs_on(self, device: int) -> int:
-        return self._seqs[device]
-
-    def _new_seq_device(self, n: int) -> Optional[int]:
-        ok = [d for d in range(self.num_devices)
-              if self._seqs[d] < self.max_seqs_per_device and self._pools[d].can_allocate(n)]
-        if not ok:
-            return None
-        return max(ok, key=lambda d: (self._pools[d].num_free, -self._seqs[d], -d))
-
-    def can_allocate(self, n: int, near=None) -> bool:
-        if near:
-            return self._pools[self.device_of(near)].can_allocate(n)
-        return self._new_seq_device(n) is not None
-
-    def allocate(self, n: int, near=None) -> list[int]:
-        if near:
-            d = self.device_of(near)
-        else:
-            d = self._new_seq_device(n)
-            if d is None:
-                raise RuntimeError(f"no device has a free decode row and {n} free KV-cache pages (the scheduler "
-                                   "must check can_allocate first)")
-            self._seqs[d] += 1
-        first = d * self.pages_per_device
-        return [first + p for p in self._pools[d].allocate(n)]
-
-    def free(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        d = self.device_of(pages)
-        first = d * self.pages_per_device
-        self._pools[d].free([p - first for p in pages])
-        self._seqs[d] -= 1
-
-    def shares_pool(self, a, b) -> bool:
-        return bool(a) and bool(b) and self.device_of(a) == self.device_of(b)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Abstract sharded plans (dry runs: full-size shapes, no allocation)
-# ---------------------------------------------------------------------------------------------------------------
-
-def _category(path: str) -> str:
-    if "/self_attn/" in path:
-        return "attention"
-    if "/mlp/experts/" in path:
-        return "routed_experts"
-    if "/mlp/shared_experts/" in path:
-        return "shared_experts"
-    if "/mlp/gate/" in path:
-        return "router"
-    if "/mlp/" in path:
-        return "dense_mlp"
-    if path.startswith(("embed_tokens/", "lm_head/")):
-        return "embed_lm_head"
-    return "norms"
-
-
-def abstract_engine_state(cfg, dtype, *, num_pages: int, page_size: int = 64, cache_dtype: str = "fp8_e4m3"):
-    """(graphdef, EngineWeights, caches) of the engine as ShapeDtypeStructs: the model built by nnx.eval_shape,
-    the absorbed W_UK / W_UV and the per-layer caches by jax.eval_shape. Nothing is allocated."""
-    from flax import nnx
-
-    from mla_jax.engine.steps import EngineWeights, allocate_caches
-    from mla_jax.model.transformer import DeepseekV3
-
-    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-
-    def absorbed(state):
-        m = nnx.merge(graphdef, state)
-        return tuple(tuple(layer.self_attn.absorbed_weights()) for layer in m.layers)
-
-    weights = EngineWeights(state, jax.eval_shape(absorbed, state))
-    caches = jax.eval_shape(lambda: allocate_caches(cfg, num_pages, page_size=page_size, dtype=cache_dtype))
-    return graphdef, weights, caches
-
-
-def memory_per_device(plan: ShardingPlan, weights, caches) -> dict[str, int]:
-    """Bytes one device holds, by category, for abstract (or concrete) engine weights and caches laid out by the
-    plan (device 0; with these rules every device holds the same amount)."""
-    out: dict[str, int] = {}
-    shardings = plan.engine_weight_shardings(weights)
-
-    def add(kp, a, s):
-        cat = _category(path_str(kp))
-        out[cat] = out.get(cat, 0) + math.prod(s.shard_shape(a.shape)) * dtype_bits(a.dtype) // 8
-
-    jax.tree_util.tree_map_with_path(add, weights.model, shardings.model)
-    out["absorbed_w_uk_w_uv"] = bytes_per_device(weights.absorbed, shardings.absorbed)
-    out["weights_total"] = sum(out.values())
-    out["kv_cache"] = bytes_per_device(caches, plan.cache_shardings(caches))
-    out["total"] = out["weights_total"] + out["kv_cache"]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Engine helpers
-# ---------------------------------------------------------------------------------------------------------------
-
 def allocate_sharded(plan: ShardingPlan, allocate: Callable[[], Any]) -> Any:
     """Runs allocate() (e.g. the engine's per-layer cache allocation) under jit with the plan's cache layout as
     the output sharding, so each device creates only its part (no full copy on one device first)."""
     abstract = jax.eval_shape(allocate)
     return jax.jit(allocate, out_shardings=plan.cache_shardings(abstract))()
-
-
-def decode_rows_by_device(requests: Sequence, pools: DevicePagePools, buckets: Sequence[int]) -> list:
-    """Rows of a data-parallel-attention decode batch: device d's requests (by their pages' pool) fill rows
-    [d·Bl, d·Bl + count_d) in order, the rest of its Bl rows are padding (None); Bl is the smallest bucket that
-    holds the busiest device's requests. Returns a list of N·Bl requests-or-None."""
-    per_device: list[list] = [[] for _ in range(pools.num_devices)]
-    for r in requests:
-        per_device[pools.device_of(r.pages)].append(r)
-    need = max(len(rs) for rs in per_device)
-    bl = next((b for b in buckets if b >= need), None)
-    if bl is None:
-        raise ValueError(f"{need} decode rows on one device exceed the largest per-device bucket {buckets[-1]}")
-    rows: list = []
-    for rs in per_device:
-        rows += rs + [None] * (bl - len(rs))
-    return rows
-
-
-def init_sharded(cfg, plan: ShardingPlan, dtype, seed: int = 0):
-    """DeepseekV3(cfg) with its random initial weights (AWQ int4 for quantized configs) created directly in the
-    plan's shardings: the init runs under jit with those output shardings, so each device generates only its
-    own part (benchmarks of full-size models without a checkpoint)."""
-    from flax import nnx
-
-    from mla_jax.model.transformer import DeepseekV3
-
-    check_config(cfg, plan.num_devices, plan.data_parallel_attention)
-    abstract = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
-    graphdef, abstract_state = nnx.split(abstract)
-    state = jax.jit(lambda: nnx.state(DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(seed))),
-                    out_shardings=plan.param_shardings(abstract_state))()
-    return nnx.merge(graphdef, state)

@@ -1,9 +1,15 @@
 """Pallas kernel library for mla_jax. Imports jax only, never mla_jax.
 
-`pallas_kernels.mla_decode` is the op (DESIGN §3), so it shadows the subpackage of the same name as an attribute:
-import its modules with `from pallas_kernels.mla_decode import api, cache, reference, triton`, not with
-`import pallas_kernels.mla_decode.triton as ...`.
-"""
-from pallas_kernels.mla_decode import MLAKVCache, available_backends, mla_decode
+Ops: `mla_decode` (paged MLA decode over an MLAKVCache) and `w4a16_matmul` / `w4a16_moe` (AWQ int4 weights x bf16
+activations; weights in `pallas_kernels.w4a16.W4A16Weight`, built with `w4a16.pack` / `w4a16.pack_gate_up`).
 
-__all__ = ["MLAKVCache", "available_backends", "mla_decode"]
+`pallas_kernels.mla_decode` is the op (docs/architecture.md §8), so it shadows the subpackage of the same name as
+an attribute: import its modules with `from pallas_kernels.mla_decode import api, cache, reference, triton`, not
+with `import pallas_kernels.mla_decode.triton as ...`.
+"""
+from pallas_kernels import w4a16
+from pallas_kernels.mla_decode import CACHE_DTYPES, MLAKVCache, available_backends, mla_decode, resolve_backend
+from pallas_kernels.w4a16 import w4a16_matmul, w4a16_moe
+
+__all__ = ["CACHE_DTYPES", "MLAKVCache", "available_backends", "mla_decode", "resolve_backend", "w4a16",
+           "w4a16_matmul", "w4a16_moe"]

@@ -25,22 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mla_jax.config import ModelConfig, deepseek_v3_hf_config
+from mla_jax.model.transformer import DecoderLayer
+from mla_jax.quant import awq
 
-from mla_jax.config import ModelConfig  # noqa: E402
-from mla_jax.quant import awq  # noqa: E402
-
-V3 = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
-    first_k_dense_replace=3, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
-    topk_method="noaux_tc", rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
-    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                      mscale=1.0, mscale_all_dim=1.0),
-)
-HBM_GBPS = 4268.0  # H200 device-to-device copy measured in DESIGN.md §11
+HBM_GBPS = 4268.0  # H200 device-to-device copy measured in docs/architecture.md §11
 
 
 def git_commit() -> str:
@@ -171,7 +160,7 @@ def main(argv=None) -> int:
                 commit=args.commit or git_commit(), time=time.strftime("%Y-%m-%d %H:%M:%S"),
                 group_size=args.group_size, dtype="bfloat16")
     print(f"device {info['device']} jax {info['jax']} commit {info['commit']} G={args.group_size}", flush=True)
-    shape = dict(V3)
+    shape = deepseek_v3_hf_config()
     if args.smoke:
         shape.update(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
                      kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
@@ -182,7 +171,6 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_hf_dict(dict(shape, quantization_config=dict(
         quant_method="awq", bits=4, group_size=args.group_size, zero_point=True, version="gemm")))
     formula = awq.layer_resident_bytes(cfg)
-    from mla_jax.model.transformer import DecoderLayer
 
     # 1. resident bytes: build one MoE layer (index 3) with random AWQ weights on the GPU.
     base = bytes_in_use(dev)

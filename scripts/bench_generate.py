@@ -28,10 +28,8 @@ Every figure in the JSON carries the device, jax version, git commit, shapes and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -39,15 +37,13 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
-HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (DESIGN §11)
+HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (docs/architecture.md §11)
 
 
 def run_info(commit_override=None) -> dict:
@@ -125,28 +121,22 @@ def bench_model(args, info) -> dict:
 
 
 # ---- mode 2: full-width random DeepSeek-V3 slice ------------------------------------------------------------------
-V3_FULL = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-               num_attention_heads=128, q_lora_rank=1536, n_routed_experts=256, num_experts_per_tok=8,
-               n_group=8, topk_group=4)
+# the dims the JSON records; --v3-scale tiny shrinks them (the other dims stay V3's)
+V3_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+           "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")
 V3_TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-               num_attention_heads=4, q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4,
-               n_group=4, topk_group=2)
+               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, n_routed_experts=16,
+               num_experts_per_tok=4, n_group=4, topk_group=2)
 
 
 def v3_config(scale: str, layers: int, dense_layers: int):
-    from mla_jax.config import ModelConfig
+    """DeepSeek-V3 (mla_jax.config.deepseek_v3_hf_config, AWQ group 128) cut to `layers` layers, the first
+    `dense_layers` dense; scale "tiny" shrinks the widths."""
+    from mla_jax.config import ModelConfig, deepseek_v3_hf_config
 
-    dims = V3_FULL if scale == "full" else V3_TINY
-    d = dict(model_type="deepseek_v3", num_hidden_layers=layers, num_key_value_heads=dims["num_attention_heads"],
-             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
-             first_k_dense_replace=dense_layers, moe_layer_freq=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-             scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6, rope_theta=10000.0,
-             rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
-                               beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-             max_position_embeddings=163840, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-             quantization_config=dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm",
-                                      modules_to_not_convert=None), **dims)
-    return ModelConfig.from_hf_dict(d)
+    dims = {} if scale == "full" else V3_TINY
+    return ModelConfig.from_hf_dict(deepseek_v3_hf_config(128, num_hidden_layers=layers,
+                                                          first_k_dense_replace=dense_layers, **dims))
 
 
 def v3_bytes_per_step(cfg, batch: int, context: int, cache_bytes_per_token: int) -> dict:
@@ -185,8 +175,8 @@ def bench_v3_slice(args, info) -> dict:
     from flax import nnx
 
     import pallas_kernels
-    from pallas_kernels.mla_decode import mosaic_sm90_check as mosaic_check
-    from mla_jax.engine.llm import resolve_backend
+    from pallas_kernels.testing import compare
+    from pallas_kernels import resolve_backend
     from mla_jax.engine.sampling import sample
     from mla_jax.engine.steps import allocate_caches, decode_step, split_model
     from mla_jax.model.transformer import DeepseekV3
@@ -197,7 +187,7 @@ def bench_v3_slice(args, info) -> dict:
     out = dict(mode="v3_slice", scale=args.v3_scale, layers=cfg.num_hidden_layers,
                dense_layers=args.v3_dense_layers, batch=B, context=L, page_size=ps, dtype="bfloat16",
                kv_cache_dtype=cache_dtype, awq_group_size=cfg.quantization.group_size,
-               config={k: getattr(cfg, k) for k in V3_FULL}, info=info, backends=[])
+               config={k: getattr(cfg, k) for k in V3_DIMS}, info=info, backends=[])
 
     t = time.perf_counter()
     model = DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -310,12 +300,12 @@ def bench_v3_slice(args, info) -> dict:
             attn = jax.jit(lambda q, c: pallas_kernels.mla_decode(q, c, block_table, seq_lens,
                                                                    softmax_scale=cfg.softmax_scale, backend=name,
                                                                    interpret=args.interpret))
-            # the same layer-0 call against the xla backend: separates the kernel's own error (DESIGN §6
-            # tolerances) from its amplification through the random-weight network in the logits above
+            # the same layer-0 call against the xla backend: separates the kernel's own error (docs/architecture.md
+            # §3 tolerances) from its amplification through the random-weight network in the logits above
             a_out, a_lse = attn(q, caches[0])
             x_out, x_lse = pallas_kernels.mla_decode(q, caches[0], block_table, seq_lens,
                                                      softmax_scale=cfg.softmax_scale, backend="xla")
-            row["mla_decode_one_layer_vs_xla"] = mosaic_check.compare(a_out, a_lse, x_out, x_lse)
+            row["mla_decode_one_layer_vs_xla"] = compare(a_out, a_lse, x_out, x_lse)
             at = []
             for _ in range(args.iters):
                 t = time.perf_counter()

@@ -16,8 +16,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "v3_yarn")
 
@@ -85,7 +83,7 @@ def timed_load(path: str, dtype: str, repeats: int) -> dict:
                 while fh.read(1 << 24):
                     pass
     runs = []
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     for _ in range(repeats):
         out = subprocess.run([sys.executable, "-c", CHILD, path, dtype], capture_output=True, text=True, env=env)
         if out.returncode:

@@ -2,8 +2,10 @@
 
 Correctness: random shapes (ragged lengths, zero-length sequences, Sq=2 causal, H in {1,16,20,64,128}, bf16 and
 fp8 caches; every unused slot NaN) through pallas_kernels.mla_decode(backend="mosaic_sm90") vs backend="xla",
-with DESIGN §6's tolerances. Timing (--timing): b128 L4096 shapes and ablations (see mosaic_sm90._build_call),
-CUPTI per-kernel times. Prints a table last and writes JSON (device, jax version, commit).
+with the tolerances of docs/architecture.md §3 (pallas_kernels.testing.compare). Timing (--timing): b128 L4096
+shapes with CUPTI per-kernel times, including the ragged [1, 2L] case and the bf16-P variant (split_p=False);
+the grid over every backend is scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version,
+commit).
 
   python scripts/check_mla_gpu.py --out bench/results/mla_mosaic_check.json [--timing] [--commit SHA]
   python scripts/check_mla_gpu.py --interpret --cases tiny      # CPU self-test of this script (slow, tiny)
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,8 +26,8 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels.mla_decode import api, mosaic_sm90
-from pallas_kernels.mla_decode import mosaic_sm90_check as chk
 from pallas_kernels.mla_decode import reference
+from pallas_kernels.testing import compare, random_problem
 
 SCALE = 192 ** -0.5
 
@@ -48,7 +51,7 @@ def correctness_cases(kind: str):
       ("fp8 h16 sq2 causal", "fp8_e4m3", 16, 2, [1, 0] + ragged(5, 800)),
       ("bf16 h8 sq4 causal", "bfloat16", 8, 4, [3] + ragged(4, 500)),
       ("fp8 h128 b2 L8192", "fp8_e4m3", 128, 1, [8192, 8000]),
-      # several sequences per share with several head groups (the engine's h128 decode; not checked before e989f89)
+      # several sequences per share with several head groups (the engine's h128 decode)
       ("fp8 h128 b48 many seqs/part", "fp8_e4m3", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 b40 many seqs/part causal", "bfloat16", 64, 2, ragged(40, 1200)),
   ]
@@ -58,7 +61,7 @@ def run_correctness(kind: str, interpret: bool):
   rows = []
   for name, dtype, heads, sq, lens in correctness_cases(kind):
     causal = name.endswith(" causal")
-    q, cache, table, lens_a = chk.random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
+    q, cache, table, lens_a = random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
 
     def call(backend):
       if interpret and backend == "mosaic_sm90":
@@ -75,7 +78,7 @@ def run_correctness(kind: str, interpret: bool):
     out, lse = jax.block_until_ready(call("mosaic_sm90"))
     t_first = time.perf_counter() - t0
     ref_out, ref_lse = call("xla")
-    res = chk.compare(out, lse, ref_out, ref_lse)
+    res = compare(out, lse, ref_out, ref_lse)
     rows.append(dict(case=name, dtype=dtype, heads=heads, sq=sq, batch=len(lens), max_len=max(lens),
                      first_call_s=round(t_first, 2), **res))
     print(f"[check] {name}: ok={res['ok']} out_err={res['out_max_abs_err']:.2e} cos={res['cos_diff']:.1e} "
@@ -86,27 +89,24 @@ def run_correctness(kind: str, interpret: bool):
 def timing_variants():
   """(name, dtype, heads, sq, batch, L, ragged, backend, kwargs for mosaic_sm90.mla_decode).
 
-  The plain b128 L4096 grid is scripts/bench_mla.py's; these are the variants that locate the fp8 h16 time."""
+  The plain b128 L4096 grid over every backend is scripts/bench_mla.py's; these time the production kernel
+  (empty kwargs) on the shapes that locate its time, plus the plan overrides mosaic_sm90.mla_decode takes."""
   base = ("fp8_e4m3", 16, 1, 128, 4096)
-  v = [("fp8_e4m3 h16", *base, False, "mosaic_sm90", {}),
-       ("fp8_e4m3 h16 ragged[1,2L]", *base, True, "mosaic_sm90", {}),
-       ("fp8_e4m3 h16 auto_barriers", *base, False, "mosaic_sm90", dict(auto_barriers=True))]
-  for ab in ("stream", "nodequant", "noswap"):
-    v.append((f"fp8_e4m3 h16 ablate {ab}", *base, False, "mosaic_sm90", dict(_ablate=frozenset({ab}))))
-  v.append(("bfloat16 h16", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", {}))
-  v.append(("fp8_e4m3 h16 sq2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90", {}))
-  v.append(("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}))
-  v.append(("fp8_e4m3 h128 16-row launches", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-            dict(rows_per_cta=16, fuse_head_groups=False)))
-  v.append(("fp8_e4m3 h128 ablate nodequant", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-            dict(_ablate=frozenset({"nodequant"}))))
-  v.append(("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}))
-  return v
+  return [
+      ("fp8_e4m3 h16", *base, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h16 ragged[1,2L]", *base, True, "mosaic_sm90", {}),
+      ("bfloat16 h16", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("bfloat16 h16 bf16 P", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", dict(split_p=False)),
+      ("fp8_e4m3 h16 sq2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("bfloat16 h128 bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(split_p=False)),
+  ]
 
 
 def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
   rows = []
-  copy = chk.copy_bandwidth()
+  copy = copy_bandwidth()
   print(f"[time] copy ceiling {copy['tb_per_s']:.3f} TB/s ({copy['method']})", flush=True)
   problems = {}
   for name, dtype, heads, sq, batch, length, ragged, backend, kw in timing_variants():
@@ -117,7 +117,7 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
     key = (dtype, heads, sq, batch, length, ragged)
     if key not in problems:
       problems.clear()
-      problems[key] = chk.random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
+      problems[key] = random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
     q, cache, table, lens_a = problems[key]
     if backend == "mosaic_sm90":
       fn = jax.jit(lambda q, c, t, l, kw=kw: mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE,
@@ -125,7 +125,7 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
     else:
       fn = jax.jit(lambda q, c, t, l: reference.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=False))
     try:
-      t = chk.time_call(fn, q, cache, table, lens_a, iters=iters)
+      t = time_call(fn, q, cache, table, lens_a, iters=iters)
     except Exception as e:  # noqa: BLE001 - record and go on to the next variant
       print(f"[time] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       rows.append(dict(variant=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -143,6 +143,40 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
           f"{row['tflop_per_s']:.0f} TFLOP/s  kernels={t.get('kernels')}", flush=True)
     dump(copy, rows)
   return copy, rows
+
+
+def time_call(fn, *args, iters: int = 20) -> dict:
+  """Median device time of fn(*args) (already jitted and warmed up by the caller or here).
+
+  CUPTI (jax.experimental.mosaic.gpu.profiler.measure) gives per-kernel times: 'us' is the median total over
+  iterations, 'kernels' the median of each kernel. Without CUPTI: wall clock over `iters` back-to-back calls.
+  """
+  jax.block_until_ready(fn(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    if not runs:
+      raise RuntimeError("no kernels recorded")
+    totals = [sum(t for _, t in run) for run in runs]
+    names = [name for name, _ in runs[0]]
+    per_kernel = {}
+    for i, name in enumerate(names):
+      per_kernel[f"{i}:{name[:60]}"] = statistics.median(run[i][1] for run in runs if len(run) == len(names)) * 1e3
+    return dict(us=statistics.median(totals) * 1e3, method="cupti", kernels=per_kernel)
+  except Exception as e:  # noqa: BLE001 - CUPTI unavailable: fall back to the wall clock
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    return dict(us=(time.perf_counter() - t0) / iters * 1e6, method=f"wallclock ({type(e).__name__}: {e})"[:200])
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> dict:
+  """Device copy ceiling: bytes read + written per second of y = x + 1 on an int32 buffer of nbytes."""
+  x = jnp.zeros((nbytes // 4,), jnp.int32)
+  f = jax.jit(lambda a: a + 1)
+  t = time_call(f, x, iters=iters)
+  return dict(bytes=2 * nbytes, us=t["us"], tb_per_s=2 * nbytes / (t["us"] * 1e-6) / 1e12, method=t["method"])
 
 
 def git_commit() -> str:

@@ -16,8 +16,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="HF checkpoint directory -> mla_jax converted directory (orbax)")

@@ -6,7 +6,8 @@
 
 Prints the attention backend line (choice and reason), each prompt's generated text, and a summary (prompt and
 generated tokens, output tok/s, time to first token). Sampling defaults come from the model's
-generation_config.json (temperature, top_p, top_k) when it has one, else greedy; flags override them.
+generation_config.json (temperature, top_p, top_k) when it has one, else greedy; flags override them
+(mla_jax.SamplingParams.from_generation_config).
 Exit status: 0 on success; 1 if a request failed (its reason is printed, the other requests still run);
 2 if the engine cannot be built as asked (e.g. --attention-backend mosaic_sm90 on a CPU: the reason is printed).
 """
@@ -18,8 +19,6 @@ import logging
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
@@ -91,20 +90,6 @@ def read_prompts(args, tokenizer) -> list:
     return prompts
 
 
-def sampling_defaults(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        gen = json.load(f)
-    if gen.get("do_sample") is False:
-        return {"temperature": 0.0}
-    out = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
-    if out.get("top_k") == 0:
-        out["top_k"] = -1
-    return out
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -135,11 +120,9 @@ def main(argv=None) -> int:
 
     try:
         prompts = read_prompts(args, llm.tokenizer)
-        sp = sampling_defaults(args.model)
-        for k in ("temperature", "top_p", "top_k"):
-            if getattr(args, k) is not None:
-                sp[k] = getattr(args, k)
-        params = mla_jax.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, **sp)
+        flags = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+        params = mla_jax.SamplingParams.from_generation_config(args.model, max_tokens=args.max_tokens,
+                                                               ignore_eos=args.ignore_eos, **flags)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

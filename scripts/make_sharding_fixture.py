@@ -7,10 +7,8 @@ Uses scripts/make_fixtures.py's generator (HF transformers, torch CPU; Python 3.
 """
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_fixtures  # noqa: E402
+import make_fixtures  # scripts/make_fixtures.py: this script's own directory is first on sys.path
 
 SPEC = dict(
     model_type="deepseek_v3", seq_len=9, save_dtype="bfloat16", shards=None, legacy_rope=False, mtp_layers=0,

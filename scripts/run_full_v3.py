@@ -14,42 +14,21 @@ Roofline of one decode step (per GPU): every byte a step must read from HBM once
 (attention, dense MLPs, shared experts, embeddings/lm_head, and the routed experts that at least one token of the
 batch routes to, expected count E·(1-(1-k/E)^B) over all devices) plus the KV cache of the sequences the GPU
 attends (TP: all B sequences, replicated cache; DP: B/8) — divided by the HBM copy bandwidth measured on an H200
-(4,268 GB/s, DESIGN.md §11).
+(4,268 GB/s, docs/architecture.md §11).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-HBM_BYTES_PER_S = 4268e9          # H200 HBM copy bandwidth measured (DESIGN.md §11)
+HBM_BYTES_PER_S = 4268e9          # H200 HBM copy bandwidth measured (docs/architecture.md §11)
 
-
-def full_v3_hf_config(group_size: int) -> dict:
-    """config.json of DeepSeek-V3 (DESIGN.md §4 dims) with an AutoAWQ GEMM quantization_config."""
-    return dict(
-        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
-        num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, norm_topk_prob=True,
-        routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=3,
-        moe_layer_freq=1, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
-        rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
-                          original_max_position_embeddings=4096),
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
-        quantization_config=dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True,
-                                 version="gemm", modules_to_not_convert=[]),
-    )
-
-
-def small_v3_hf_config() -> dict:
-    """A tiny model with V3's structure and the real MLA cache dims, for checking the run path on a CPU (AWQ group
-    16, so that row-split weights have a multiple of 8 groups)."""
-    d = full_v3_hf_config(16)
-    d.update(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=3,
-             num_attention_heads=8, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16,
-             num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1)
-    return d
+# A tiny model with V3's structure and the real MLA cache dims, for checking the run path on a CPU (--small; AWQ
+# group 16, so that row-split weights have a multiple of 8 groups).
+SMALL_V3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
+                num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=32,
+                qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                n_group=4, topk_group=2, first_k_dense_replace=1)
 
 
 def parse_args(argv=None):
@@ -79,12 +58,11 @@ def main(argv=None) -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.num_devices}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import jax
 
-    from mla_jax.config import ModelConfig
+    from mla_jax.config import ModelConfig, deepseek_v3_hf_config
 
-    hf = small_v3_hf_config() if args.small else full_v3_hf_config(args.group_size)
+    hf = deepseek_v3_hf_config(16, **SMALL_V3) if args.small else deepseek_v3_hf_config(args.group_size)
     cfg = ModelConfig.from_hf_dict(hf)
     if jax.device_count() < args.num_devices:
         raise SystemExit(f"needs {args.num_devices} devices, found {jax.device_count()} "
@@ -133,15 +111,16 @@ def dry_run(cfg, args) -> dict:
     import jax.numpy as jnp
 
     from mla_jax import sharding
+    from mla_jax.engine.memory import abstract_engine_state, memory_per_device
 
     rows = []
     for mode in args.modes:
         plan = sharding.ShardingPlan.create(cfg, args.num_devices, mode == "dp")
         for batch in args.batches:
             num_pages = num_pages_for(args, batch, mode)
-            graphdef, weights, caches = sharding.abstract_engine_state(
+            graphdef, weights, caches = abstract_engine_state(
                 cfg, jnp.bfloat16, num_pages=num_pages, cache_dtype=args.kv_cache_dtype)
-            mem = sharding.memory_per_device(plan, weights, caches)
+            mem = memory_per_device(plan, weights, caches)
             roof = decode_roofline(cfg, mem, args, batch, mode, args.prompt_len + args.gen_len // 2)
             row = dict(mode=mode, batch=batch, num_pages=num_pages, bytes_per_device=mem, decode_roofline=roof)
             if args.lower:
@@ -195,14 +174,16 @@ def run(cfg, args) -> dict:
     from flax import nnx
 
     from mla_jax import sharding
+    from mla_jax.checkpoint.sharded import init_sharded
     from mla_jax.engine import LLM, SamplingParams
+    from mla_jax.engine.memory import abstract_engine_state, memory_per_device
 
     rng = np.random.default_rng(args.seed)
     rows = []
     for mode in args.modes:
         plan = sharding.ShardingPlan.create(cfg, args.num_devices, mode == "dp")
         t0 = time.perf_counter()
-        model = sharding.init_sharded(cfg, plan, jnp.bfloat16, seed=args.seed)
+        model = init_sharded(cfg, plan, jnp.bfloat16, seed=args.seed)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         init_s = time.perf_counter() - t0
         print(f"[{mode}] random AWQ weights generated on {args.num_devices} devices in {init_s:.1f}s")
@@ -213,7 +194,7 @@ def run(cfg, args) -> dict:
                 max_model_len=args.prompt_len + args.gen_len, max_num_seqs=batch, num_pages=num_pages,
                 max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.num_devices,
                 data_parallel_attention=mode == "dp", sharding_plan=plan)
-            steps = time_decode_steps(llm)
+            steps = llm.record_decode_times()    # (batch rows, seconds) per decode step
             prompts = rng.integers(2, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
             t0 = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_tokens=min(3, args.gen_len), ignore_eos=True))
@@ -225,9 +206,9 @@ def run(cfg, args) -> dict:
             n_out = sum(len(o.token_ids) for o in outs)
             ttft = max(o.metrics["time_to_first_token_s"] for o in outs)
             full = [s for b, s in steps if b == max(b for b, _ in steps)]
-            graphdef, weights, caches = sharding.abstract_engine_state(
+            graphdef, weights, caches = abstract_engine_state(
                 cfg, jnp.bfloat16, num_pages=num_pages, cache_dtype=args.kv_cache_dtype)
-            mem = sharding.memory_per_device(plan, weights, caches)
+            mem = memory_per_device(plan, weights, caches)
             roof = decode_roofline(cfg, mem, args, batch, mode, args.prompt_len + args.gen_len // 2)
             step_ms = statistics.median(full) * 1e3 if full else None
             row = dict(mode=mode, batch=batch, num_pages=num_pages, backend=llm.backend, output_tokens=n_out,
@@ -251,28 +232,6 @@ def run(cfg, args) -> dict:
     return {"kind": "run", "config": f"DeepSeek-V3 {'small (CPU check)' if args.small else 'full size'}, AWQ "
             f"int4 group {cfg.quantization.group_size} random weights, bf16 activations, {args.kv_cache_dtype} "
             f"cache", "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": rows, **env_info()}
-
-
-def time_decode_steps(llm) -> list:
-    """Wraps the engine's jitted decode step to record (batch rows, seconds) per call (the engine reads the
-    sampled tokens after every step anyway, so blocking here adds no synchronisation)."""
-    import time
-
-    import jax
-
-    inner = llm._decode_fn
-    record = []
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        out = inner(*a, **kw)
-        jax.block_until_ready(out[1])
-        record.append((a[3].shape[0], time.perf_counter() - t0))
-        return out
-
-    timed._cache_size = inner._cache_size
-    llm._decode_fn = timed
-    return record
 
 
 def device_memory() -> list:

@@ -1,4 +1,5 @@
-"""Train the embedded tiny DeepSeek-V3-architecture model on the Python standard library (see mla_jax/train.py).
+"""Train the embedded tiny DeepSeek-V3-architecture model on the Python standard library (thin main over
+mla_train.run_training; see the mla_train package).
 
     python scripts/train_tiny.py --out /tmp/tiny-bf16                      # defaults: the shipped model's recipe
     python scripts/train_tiny.py --out /tmp/t --max-files 40 --steps 5 --hidden-size 64 --num-layers 2 \
@@ -17,12 +18,9 @@ The corpus was copied because the H200's system Python (3.12.3, Debian layout) h
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mla_jax.train import RunOptions, TrainHParams, run_training  # noqa: E402
+from mla_train import RunOptions, TrainHParams, run_training
 
 
 def main(argv=None):

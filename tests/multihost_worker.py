@@ -23,13 +23,14 @@ def main():
     import numpy as np
     from flax import nnx
 
+    from mla_jax.checkpoint.sharded import load_sharded
     from mla_jax.config import ModelConfig
 
     fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "sharding_dims")
     golden = np.load(os.path.join(fixture, "golden.npz"))
     cfg = ModelConfig.from_pretrained(fixture)
     plan = sharding.ShardingPlan.create(cfg, jax.device_count(), False)
-    model, _ = sharding.load_sharded(fixture, plan, dtype="float32")
+    model, _ = load_sharded(fixture, plan, dtype="float32")
     graphdef, state = nnx.split(model)
     ids = sharding.put_global(plan, golden["input_ids"])
     logits = jax.jit(lambda st, ids: plan.replicated(nnx.merge(graphdef, st)(ids)))(state, ids)

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from mla_jax import sharding  # noqa: E402
+from mla_jax.checkpoint.sharded import load_sharded  # noqa: E402
 from mla_jax.config import AWQConfig, ModelConfig  # noqa: E402
 from mla_jax.sharding import AXIS, ShardingPlan  # noqa: E402
 
@@ -187,8 +188,7 @@ def test_dp_cache_write_and_read_match_one_device(cache_dtype):
     lat_all, rope_all = want.dequantize()                               # reference: index the whole pool
     want_l = lat_all[bt].reshape(5, 2 * ps, 512)
     want_r = rope_all[bt].reshape(5, 2 * ps, 64)
-    from mla_jax.engine.steps import read_pages
-    got_l, got_r = jax.jit(lambda c, bt: pl.read_pages(read_pages, c, bt))(got, bt)
+    got_l, got_r = jax.jit(lambda c, bt: pl.read_pages(c, bt))(got, bt)
     np.testing.assert_array_equal(np.asarray(got_l), np.asarray(want_l))
     np.testing.assert_array_equal(np.asarray(got_r), np.asarray(want_r))
 
@@ -240,7 +240,7 @@ def test_load_sharded_places_every_parameter_by_the_rules_and_matches_load_model
     import mla_jax
     ref, cfg = mla_jax.load_model(FIXTURE, dtype="float32")
     pl = ShardingPlan.create(cfg, n, dp)
-    model, cfg2 = sharding.load_sharded(FIXTURE, pl, dtype="float32")
+    model, cfg2 = load_sharded(FIXTURE, pl, dtype="float32")
     assert cfg2 == cfg
     ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
     got_flat = dict(nnx.to_flat_state(nnx.state(model)))
@@ -278,7 +278,7 @@ def test_awq_checkpoints_load_sharded_tp4(awq_fixture, which):
     path = awq_fixture[0] if which == "awq_safetensors" else awq_fixture[1]
     ref, cfg = mla_jax.load_model(path, dtype="float32")
     pl = ShardingPlan.create(cfg, 4, False)
-    model, _ = sharding.load_sharded(path, pl, dtype="float32")
+    model, _ = load_sharded(path, pl, dtype="float32")
     ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
     n_int4 = 0
     for path_, v in nnx.to_flat_state(nnx.state(model)):

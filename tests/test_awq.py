@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from mla_jax.checkpoint.hf import load_model
+from mla_jax.checkpoint.load import load_model
 from mla_jax.config import AWQConfig, ModelConfig
 from mla_jax.model.layers import Linear
 from mla_jax.model.moe import Experts
@@ -65,7 +65,7 @@ def autoawq_reference(weight: np.ndarray, group_size: int):
 
 
 def test_pack_order_known_answer():
-    # DESIGN.md §8: logical column n sits at bit shift 4·[0,4,1,5,2,6,3,7][n % 8].
+    # docs/architecture.md §6: logical column n sits at bit shift 4·[0,4,1,5,2,6,3,7][n % 8].
     vals = np.arange(8, dtype=np.int64)[None, :]
     assert np.uint32(pack.pack_int4(vals)[0, 0].view(np.uint32)) == 0x75316420
     rng = np.random.default_rng(0)

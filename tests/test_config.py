@@ -70,7 +70,7 @@ def test_deepseek_v3_real_config():
     assert cfg.routed_scaling_factor == 2.5 and cfg.rope_interleave is True and cfg.rope_theta == 10000.0
     assert cfg.rope_scaling_dict["factor"] == 40.0 and cfg.rope_scaling_dict["original_max_position_embeddings"] == 4096
     assert cfg.num_nextn_predict_layers == 1 and cfg.quantization is None
-    # DESIGN.md §4: mscale = 0.1·1·ln 40 + 1; softmax scale = 192^-0.5 · mscale².
+    # docs/architecture.md §5: mscale = 0.1·1·ln 40 + 1; softmax scale = 192^-0.5 · mscale².
     mscale = 0.1 * math.log(40) + 1
     assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * mscale * mscale, rel=1e-12)
     assert cfg.softmax_scale == pytest.approx(0.1352337788608801, rel=1e-9)

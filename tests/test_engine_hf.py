@@ -131,3 +131,14 @@ def test_seeded_sampling_is_independent_of_batch(v3):
     other_seed = v3.generate([g["prompts"][1]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True,
                                                                seed=8))[0]
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_record_decode_times(v3):
+    """Benchmarks time the jitted decode step alone; the tokens do not change."""
+    g = golden("v3_yarn")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = v3.generate(g["prompts"][:2], params)
+    times = v3.record_decode_times()
+    got = v3.generate(g["prompts"][:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(times) >= 4 and all(rows == 2 and secs > 0 for rows, secs in times)   # batch bucket of 2 rows

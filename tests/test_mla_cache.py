@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import MLAKVCache
 from pallas_kernels.mla_decode.cache import cache_bytes_per_token, dequantize_fp8, quantize_fp8
 
@@ -94,6 +95,21 @@ def test_write_under_jit_with_donation(dtype):
   np.testing.assert_array_equal(rp[written], np.asarray(rope[jnp.array(src)].astype(rope_dt), np.float32))
   untouched = np.setdiff1d(np.arange(64), written)
   assert np.all(lat[untouched] == 0) and np.all(rp[untouched] == 0)      # the -1 row wrote nothing
+
+
+@pytest.mark.parametrize("dtype", pallas_kernels.CACHE_DTYPES)
+def test_gather_reads_the_named_pages_dequantized(dtype):
+  rng = np.random.default_rng(3)
+  c = MLAKVCache.allocate(6, page_size=4, dtype=dtype)
+  c = c.write(jnp.arange(24, dtype=jnp.int32), _rand(rng, (24, 512), 3.0), _rand(rng, (24, 64)))
+  latent_all, rope_all = c.dequantize()                               # [6, 4, 512], [6, 4, 64] float32
+  table = jnp.asarray([[5, 0, 2], [1, 1, 4]], jnp.int32)
+  latent, rope = c.gather(table)
+  assert latent.shape == (2, 12, 512) and rope.shape == (2, 12, 64)
+  assert latent.dtype == (jnp.float32 if dtype == "fp8_e4m3" else c.latent.dtype)   # fp8 comes dequantized
+  np.testing.assert_array_equal(np.asarray(latent, np.float32), np.asarray(latent_all[table].reshape(2, 12, 512)))
+  np.testing.assert_array_equal(np.asarray(rope, np.float32), np.asarray(rope_all[table].reshape(2, 12, 64)))
+  assert c.gather(table, jnp.bfloat16)[0].dtype == jnp.bfloat16
 
 
 def test_write_then_overwrite_and_bad_shapes():

@@ -2,7 +2,7 @@
 
 Every problem NaN-poisons what must never be read: free pages, the tail of each sequence's last page and the
 block-table entries past each sequence's pages (they point at poisoned pages). Tolerances are FlashMLA's
-(DESIGN §6). Interpret mode is slow on CPU, so the grid of cases is a chosen cover, not a cartesian product.
+(docs/architecture.md §3). Interpret mode is slow on CPU, so the grid of cases is a chosen cover, not a cartesian product.
 """
 import logging
 import os
@@ -70,7 +70,7 @@ def reference(q, cache, table, lens, causal):
 
 
 def assert_matches(out, lse, ref_out, ref_lse, ref_abs, *, exact=False, p_bf16=False):
-  """DESIGN §6 tolerances: out abs 1e-3 + rel 2/128 and cosine diff 5e-6; lse abs 1e-6 + rel 8/65536.
+  """docs/architecture.md §3 tolerances: out abs 1e-3 + rel 2/128 and cosine diff 5e-6; lse abs 1e-6 + rel 8/65536.
 
   p_bf16: the kernel rounds P to bf16 for the P.V product (as FlashMLA does); on sums that cancel that error,
   up to 2^-9 * sum p|v| / l per element, exceeds 1e-3 + 2/128 |out|, so the bound gets 2^-8 * sum p|v| / l.
@@ -230,6 +230,17 @@ def test_backend_choice_on_cpu(caplog):
   assert avail["xla"] is None and "CUDA" in avail["triton"]
   assert pallas_kernels.available_backends("fp8_e4m3", interpret=True)["triton"] is None
   assert "float32" in pallas_kernels.available_backends("float32", interpret=True)["triton"]
+
+
+def test_resolve_backend_is_the_choice_mla_decode_makes():
+  name, reason = pallas_kernels.resolve_backend("auto", "fp8_e4m3", False)
+  assert name == "xla" and reason.startswith("auto: platform cpu")
+  name, reason = pallas_kernels.resolve_backend("triton", "bfloat16", True, device=jax.devices()[0])
+  assert name == "triton" and "requested explicitly" in reason
+  with pytest.raises(ValueError, match=r"backend 'triton' cannot run: .*CUDA GPU"):
+    pallas_kernels.resolve_backend("triton", "fp8_e4m3", False)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    pallas_kernels.resolve_backend("auto", "float16", False)
 
 
 def test_auto_order_for_gpus():

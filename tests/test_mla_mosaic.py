@@ -2,7 +2,7 @@
 
 The interpret-mode cases run the real kernel body (TMA ring, barriers, wgmma, the score swap between the two
 compute warpgroups) on NaN-poisoned caches against the float64 NumPy reference on the dequantized cache, with
-DESIGN §6's tolerances. Interpret mode is slow (~20 s a case on 2 cores), so the cases are a chosen cover:
+the tolerances of docs/architecture.md §3. Interpret mode is slow (~20 s a case on 2 cores), so the cases are a chosen cover:
 bf16 + ragged + zero length (one head group), fp8 + Sq=2 causal + two head groups + partial pages, and one small
 fp8 case under the race detector with a 2-slot ring that wraps.
 """
@@ -17,7 +17,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from pallas_kernels.mla_decode import api
 from pallas_kernels.mla_decode import mosaic_sm90 as ms
 from pallas_kernels.mla_decode.cache import MLAKVCache
-from pallas_kernels.mla_decode.mosaic_sm90_check import compare, random_problem
+from pallas_kernels.testing import compare, random_problem
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 
 SCALE = 192 ** -0.5

@@ -1,7 +1,7 @@
 """DevicePagePools: the per-device page pools behind data-parallel attention (host-side, no devices needed)."""
 import pytest
 
-from mla_jax.sharding import DevicePagePools
+from mla_jax.engine.pools import DevicePagePools
 
 
 def test_sequences_stay_on_one_device_and_spread_over_devices():

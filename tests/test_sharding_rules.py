@@ -7,6 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import sharding
+from mla_jax.checkpoint import hf
 from mla_jax.config import ModelConfig
 from mla_jax.sharding import AXIS
 
@@ -152,8 +153,8 @@ def test_bytes_per_device_counts_shards():
 
 def test_hf_slices_for_transposed_and_packed_tensors():
     # kernel [in=8, out=12] from HF [out, in]: our columns 6:12 are HF rows 6:12
-    assert sharding._hf_index((slice(0, 8), slice(6, 12)), (8, 12), (12, 8), True) == (slice(6, 12), slice(0, 8))
+    assert hf._hf_index((slice(0, 8), slice(6, 12)), (8, 12), (12, 8), True) == (slice(6, 12), slice(0, 8))
     # AWQ qweight int4 [in, out=64] from int32 [in, out/8=8]: columns 32:64 are packed columns 4:8
-    assert sharding._hf_index((slice(None), slice(32, 64)), (16, 64), (16, 8), False) == (slice(0, 16), slice(4, 8))
+    assert hf._hf_index((slice(None), slice(32, 64)), (16, 64), (16, 8), False) == (slice(0, 16), slice(4, 8))
     # a slice that cuts inside a packed int32 cannot be read alone: read the whole tensor
-    assert sharding._hf_index((slice(None), slice(4, 64)), (16, 64), (16, 8), False) is None
+    assert hf._hf_index((slice(None), slice(4, 64)), (16, 64), (16, 8), False) is None

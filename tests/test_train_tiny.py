@@ -1,5 +1,6 @@
-"""Training pieces of the embedded model (mla_jax/train.py): corpus split, windows, the loss-and-load forward,
-a few optimizer steps on a toy model, the routing-bias update and the HF export round trip."""
+"""Training pieces of the embedded model (the mla_train package): corpus split, windows, the loss-and-load
+forward, a few optimizer steps on a toy model, the routing-bias update, the HF export round trip and the held-out
+scorers of mla_train.evaluate (scripts/eval_ppl.py)."""
 
 import json
 import os
@@ -12,9 +13,10 @@ import pytest
 import mla_jax
 from mla_jax.config import ModelConfig
 from mla_jax.engine.text import Tokenizer
-from mla_jax.train import (SourceFile, TrainHParams, Trainer, count_params, eval_windows, forward_with_loads,
-                           is_heldout, lr_at, save_hf_checkpoint, split_files, tiny_hf_config, token_nll,
-                           token_stream, train_tokenizer)
+from mla_train import evaluate
+from mla_train import (SourceFile, TrainHParams, Trainer, count_params, eval_windows, forward_with_loads,
+                       is_heldout, lr_at, save_hf_checkpoint, split_files, tiny_hf_config, token_nll,
+                       token_stream, train_tokenizer)
 
 TOY_SOURCES = [
     "def add(a, b):\n    return a + b\n",
@@ -161,20 +163,10 @@ def test_param_count_matches_model(toy):
     assert counts["total"] == n
 
 
-def _eval_ppl_module():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "eval_ppl.py")
-    spec = importlib.util.spec_from_file_location("eval_ppl", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_eval_ppl_paths_agree(toy):
-    # scripts/eval_ppl.py's three teacher-forced paths score the same tokens: with fp32 weights and an fp32 cache
-    # they agree to rounding; a bf16 / fp8 cache moves the decode NLL only a little.
-    ev = _eval_ppl_module()
+    # mla_train.evaluate's three teacher-forced paths (scripts/eval_ppl.py) score the same tokens: with fp32
+    # weights and an fp32 cache they agree to rounding; a bf16 / fp8 cache moves the decode NLL only a little.
+    ev = evaluate
     model = toy["trainer"].model(jnp.float32)
     windows = eval_windows(toy["stream"], 24, 3)
     fwd = ev.score_forward(model, windows, batch=3)

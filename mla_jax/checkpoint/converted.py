@@ -38,7 +38,9 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.checkpoint.files import replace_dir
+from mla_jax.checkpoint.hf import hf_param_map, load_hf_weights, read_tensor_index, resolve_dtype
 from mla_jax.config import ModelConfig
+from mla_jax.model.transformer import DeepseekV3
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +98,6 @@ def unpack_nibbles_host(b: np.ndarray) -> np.ndarray:
 
 def _abstract_params(cfg: ModelConfig, dtype) -> tuple[nnx.Module, dict[str, tuple[tuple, Any]]]:
     """The model built abstractly and {name: (path, ShapeDtypeStruct)} of every parameter, in tree order."""
-    from mla_jax.model.transformer import DeepseekV3
-
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = {}
     for path, var in nnx.to_flat_state(nnx.state(model)):
@@ -114,8 +114,6 @@ def _variable(model: nnx.Module, path: tuple):
 
 def _storage_dtype(cfg: ModelConfig, src: str) -> np.dtype:
     """Widest float dtype among the source tensors that become model-dtype parameters."""
-    from mla_jax.checkpoint.hf import hf_param_map, read_tensor_index
-
     targets = hf_param_map(cfg)
     found = set()
     for name, (_, _, st_dtype) in read_tensor_index(src).items():
@@ -159,8 +157,6 @@ def convert_checkpoint(src, dst, *, force: bool = False, progress: bool = True) 
 
     Written to a temporary sibling directory and renamed at the end; refuses to overwrite `dst` unless force."""
     from tqdm import tqdm
-
-    from mla_jax.checkpoint.hf import load_hf_weights
 
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     if not os.path.isfile(os.path.join(src, "config.json")):
@@ -256,13 +252,20 @@ def _check_against_manifest(manifest: dict, params: dict, model_dtype: np.dtype,
 
 
 def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tuple, np.ndarray], jax.Array]] = None,
-                   verify_checksums: bool = True):
+                   verify_checksums: bool = True,
+                   sharding_for: Optional[Callable[[tuple, tuple], jax.sharding.Sharding]] = None):
     """Converted directory -> (DeepseekV3 model, ModelConfig); same contract as `mla_jax.load_model`.
 
     put(param_path, host_array) places each parameter as in the HF loader (default: jax.device_put, which,
-    unlike jnp.asarray, compiles nothing)."""
-    from mla_jax.checkpoint.hf import _resolve_dtype
-
+    unlike jnp.asarray, compiles nothing).
+    sharding_for(param_path, shape) -> jax.sharding.Sharding, instead of put: restores every tensor straight into
+    that sharding (tensorstore reads each device's slice, so no process holds a full copy of a sharded weight);
+    checkpoint/sharded.py passes the plan's. Names, shapes and dtypes are checked as without it; the per-tensor
+    crc32 (of whole arrays) cannot be, so verify_checksums must be False: verify a copied checkpoint once with
+    load_converted(path, verify_checksums=True)."""
+    if sharding_for is not None and (put is not None or verify_checksums):
+        raise ValueError("load_converted: with sharding_for, pass no put and verify_checksums=False (no process "
+                         "sees a whole sharded array, so its crc32 cannot be checked)")
     path = os.fspath(path)
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
@@ -270,11 +273,9 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
         raise ValueError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r}"
                          f" is not {FORMAT!r} version {VERSION}; re-run scripts/convert.py")
     cfg = ModelConfig.from_pretrained(path)
-    jdtype = _resolve_dtype(dtype)
+    jdtype = resolve_dtype(dtype)
     model, params = _abstract_params(cfg, jdtype)
-    model_dtype = np.dtype(jdtype)
-    _check_against_manifest(manifest, params, model_dtype, path)
-    put = put or (lambda _p, a: jax.device_put(a))
+    _check_against_manifest(manifest, params, np.dtype(jdtype), path)
     entries = manifest["tensors"]
 
     by_group: dict[str, list[str]] = {}
@@ -286,28 +287,80 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
             if not os.path.isdir(gdir):
                 raise ValueError(f"converted checkpoint {path}: weights/{group} is missing (holds tensor "
                                  f"{names[0]!r}); re-run scripts/convert.py")
-            arrays = _restore_group(gdir, names)
-            for name in names:
-                a, e = arrays[name], entries[name]
-                want_shape, want_dtype = tuple(e["shape"]), e["dtype"]
-                if e.get("stored_as") == INT4_NIBBLES:
-                    want_shape, want_dtype = (*want_shape[:-1], want_shape[-1] // 2), "uint8"
-                if tuple(a.shape) != want_shape or str(a.dtype) != want_dtype:
-                    raise ValueError(f"converted checkpoint {path}: tensor {name!r} on disk is {a.dtype}"
-                                     f"{tuple(a.shape)}, the manifest says {want_dtype}{want_shape}")
-            if verify_checksums:
-                sums = dict(zip(names, pool.map(lambda n: crc32(arrays[n]), names)))
-                for name in names:
-                    if sums[name] != entries[name]["crc32"]:
-                        raise ValueError(f"converted checkpoint {path}: tensor {name!r} fails its checksum (crc32 "
-                                         f"{sums[name]:#010x}, manifest {entries[name]['crc32']:#010x}); the file "
-                                         f"is corrupt or was modified — re-run scripts/convert.py")
-            for name in names:
-                p, want = params[name]
-                a = arrays.pop(name)
-                if entries[name].get("stored_as") == INT4_NIBBLES:
-                    a = unpack_nibbles_host(a)   # one pass; cheaper than a per-shape device compile
-                elif a.dtype != want.dtype:
-                    a = a.astype(want.dtype)
-                _variable(model, p).set_value(put(p, a))
+            if sharding_for is None:
+                _load_group(model, params, entries, gdir, names, path, put or (lambda _p, a: jax.device_put(a)),
+                            pool if verify_checksums else None)
+            else:
+                _load_group_sharded(model, params, entries, gdir, names, path, sharding_for)
     return model, cfg
+
+
+def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
+                put: Callable[[tuple, np.ndarray], jax.Array], checksum_pool: Optional[ThreadPoolExecutor]) -> None:
+    """One group read to the host, checked against the manifest (and crc32 with a pool), unpacked and put."""
+    arrays = _restore_group(gdir, names)
+    for name in names:
+        a, e = arrays[name], entries[name]
+        want_shape, want_dtype = tuple(e["shape"]), e["dtype"]
+        if e.get("stored_as") == INT4_NIBBLES:
+            want_shape, want_dtype = (*want_shape[:-1], want_shape[-1] // 2), "uint8"
+        if tuple(a.shape) != want_shape or str(a.dtype) != want_dtype:
+            raise ValueError(f"converted checkpoint {path}: tensor {name!r} on disk is {a.dtype}"
+                             f"{tuple(a.shape)}, the manifest says {want_dtype}{want_shape}")
+    if checksum_pool is not None:
+        sums = dict(zip(names, checksum_pool.map(lambda n: crc32(arrays[n]), names)))
+        for name in names:
+            if sums[name] != entries[name]["crc32"]:
+                raise ValueError(f"converted checkpoint {path}: tensor {name!r} fails its checksum (crc32 "
+                                 f"{sums[name]:#010x}, manifest {entries[name]['crc32']:#010x}); the file "
+                                 f"is corrupt or was modified — re-run scripts/convert.py")
+    for name in names:
+        p, want = params[name]
+        a = arrays.pop(name)
+        if entries[name].get("stored_as") == INT4_NIBBLES:
+            a = unpack_nibbles_host(a)   # one pass; cheaper than a per-shape device compile
+        elif a.dtype != want.dtype:
+            a = a.astype(want.dtype)
+        _variable(model, p).set_value(put(p, a))
+
+
+def _load_group_sharded(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
+                        sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding]) -> None:
+    """One group restored by orbax straight into sharding_for's shardings; int4 unpacked on the devices."""
+    import orbax.checkpoint as ocp
+
+    args, stored = {}, {}
+    for name in names:
+        p, want = params[name]
+        sharding = sharding_for(p, tuple(want.shape))
+        shape, dtype = tuple(want.shape), want.dtype
+        if entries[name].get("stored_as") == INT4_NIBBLES:
+            # int4 [..., n] is stored as uint8 [..., n/2] (two per byte): restore the bytes with the same split
+            # and unpack them on the devices
+            pieces = shape[-1] // sharding.shard_shape(shape)[-1]
+            shape, dtype = (*shape[:-1], shape[-1] // 2), np.dtype(np.uint8)
+            if shape[-1] % pieces:
+                raise ValueError(f"converted checkpoint {path}: int4 tensor {name!r} is stored two per byte "
+                                 f"({shape[-1]} bytes a row), which {pieces} devices cannot split evenly; load it "
+                                 "with a device count that divides that")
+        stored[name] = (shape, dtype, sharding)
+        args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+    arrays = ocp.PyTreeCheckpointer().restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
+    for name in names:
+        p, want = params[name]
+        a = arrays.pop(name)
+        shape, dtype, sharding = stored[name]
+        if tuple(a.shape) != shape or a.dtype != dtype:
+            raise ValueError(f"converted checkpoint {path}: tensor {name!r} restored as {a.dtype}"
+                             f"{tuple(a.shape)}, expected {dtype}{shape}")
+        if dtype != want.dtype:
+            a = jax.jit(_unpack_nibbles, out_shardings=sharding)(a)
+        _variable(model, p).set_value(a)
+
+
+def _unpack_nibbles(b: jax.Array) -> jax.Array:
+    """uint8 [..., n/2] -> int4 [..., n] on the devices: element 2i is the low nibble of byte i, by arithmetic, so
+    the result does not depend on how a backend lays int4 out in memory."""
+    lo, hi = (b & 0xF).astype(jnp.int8), (b >> 4).astype(jnp.int8)
+    v = jnp.stack([lo, hi], axis=-1).reshape(*b.shape[:-1], -1)
+    return ((v ^ 8) - 8).astype(jnp.int4)                      # sign-extend the 4-bit two's complement

@@ -1,7 +1,27 @@
-"""Filesystem helpers shared by the checkpoint writers (converter, AWQ packer). Imports the standard library only."""
+"""Filesystem helpers shared by the checkpoint readers and writers (converter, AWQ packer). Imports the standard
+library only."""
 
+import json
 import os
 import shutil
+
+
+def read_generation_config(path: str) -> dict:
+    """The parsed generation_config.json of the checkpoint directory `path`, or {} when it has none.
+
+    The one reader of that file: the engine's eos ids, the tokenizer's extra stop tokens and generate.py's
+    sampling defaults all come from here."""
+    file = os.path.join(os.fspath(path), "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); fix or remove the file") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def replace_dir(complete: str, final: str) -> None:

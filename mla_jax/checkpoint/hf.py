@@ -1,15 +1,16 @@
 """Load Hugging Face DeepSeek-V3/V2 safetensors checkpoints into the NNX model.
 
 `hf_param_map(cfg)` is THE table from HF tensor names to model parameters; everything else (AWQ tensors, sharding
-rules, converters) should go through it. The loader builds the model abstractly (`nnx.eval_shape`, no memory),
-checks every tensor's name and shape from the safetensors headers before reading any data, then streams tensor by
-tensor: one tensor in host memory at a time, except that per-expert HF tensors are gathered into one host buffer
-[E, ...] per stacked parameter before it is placed on the device.
+rules, converters) should go through it. `load_hf_weights` fills a model (usually built abstractly with
+`nnx.eval_shape`: checkpoint/load.py) after checking every tensor's name and shape from the safetensors headers,
+before reading any data. It then streams tensor by tensor: one tensor in host memory at a time, except that
+per-expert HF tensors are gathered into one host buffer [E, ...] per stacked parameter before it is placed on the
+device. Its slice-reading hook builds each parameter from slices instead (checkpoint/sharded.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +25,9 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from mla_jax.checkpoint.targets import ParamTarget
 from mla_jax.config import ModelConfig
+from mla_jax.quant.awq import awq_linear_targets
 
 logger = logging.getLogger(__name__)
 
@@ -34,34 +37,6 @@ _INT_DTYPES = {"I32": np.int32, "I8": np.int8, "U8": np.uint8, "I16": np.int16, 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamTarget:
-    """Where one HF tensor goes.
-
-    module: path of the owning module in the NNX tree, e.g. ('layers', 3, 'self_attn', 'q_a_proj');
-    param: attribute name on it ('kernel', 'weight', 'embedding', 'w_gate', 'e_score_correction_bias', ...);
-    hf_shape: the tensor's shape in the checkpoint; transpose: HF [out, in] -> our [in, out];
-    expert: index into the stacked leading expert axis (per-expert HF tensors), else None;
-    dtype: None -> the model dtype; otherwise a fixed dtype name ('float32' for the router, 'int32' for packed
-    AWQ weights, ...); quantizable: a decoder linear that AWQ may replace (router/embeddings/norms/lm_head not).
-    """
-
-    module: tuple[str | int, ...]
-    param: str
-    hf_shape: tuple[int, ...]
-    transpose: bool = False
-    expert: int | None = None
-    dtype: str | None = None
-    quantizable: bool = False
-    # AWQ hook (mla_jax.quant.awq.awq_linear_targets): when set, convert(host_array) -> final host array (layout
-    # and dtype, e.g. int32-packed AWQ -> int4); transpose/dtype are then not applied.
-    convert: Callable[[np.ndarray], np.ndarray] | None = None
-
-    @property
-    def path(self) -> tuple[str | int, ...]:
-        return self.module + (self.param,)
-
-
 def _linear(cfg: ModelConfig, hf_module: str, module: tuple, param: str, in_f: int, out_f: int,
             expert: int | None = None) -> dict[str, ParamTarget]:
     """Targets of one decoder linear (HF module name without '.weight')."""
@@ -69,12 +44,6 @@ def _linear(cfg: ModelConfig, hf_module: str, module: tuple, param: str, in_f: i
     # Routed experts are one stacked module per layer, so AWQ exclusion is decided for the block as a whole.
     decided_by = hf_module if expert is None else hf_module.rsplit(".", 2)[0]  # "model.layers.i.mlp.experts"
     if q is not None and not q.excludes(decided_by):
-        try:
-            from mla_jax.quant.awq import awq_linear_targets
-        except ImportError as e:
-            raise NotImplementedError(
-                f"{hf_module}: AWQ checkpoint, but mla_jax.quant.awq.awq_linear_targets is not available ({e})"
-            ) from e
         return awq_linear_targets(q, hf_module, module, param, in_f, out_f, expert)
     return {f"{hf_module}.weight": ParamTarget(module, param, (out_f, in_f), transpose=True, expert=expert,
                                                quantizable=True)}
@@ -208,17 +177,36 @@ def load_hf_weights(
     path: str | os.PathLike,
     *,
     put: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+    from_slices: Callable[[tuple, tuple, Any, Callable[[tuple], np.ndarray]], jax.Array] | None = None,
 ) -> nnx.Module:
     """Fill `model` (abstract from nnx.eval_shape, or concrete) with the HF checkpoint at `path`, in place.
 
     put(param_path, host_array) -> jax.Array places each finished parameter (default: jnp.asarray on the default
-    device); a sharded loader passes one that device_puts with the parameter's sharding."""
-    put = put or (lambda _path, a: jnp.asarray(a))
+    device); the converter passes one that writes it to disk.
+    from_slices(param_path, shape, dtype, read_slice) -> jax.Array, instead of put: the slice-reading hook. Each
+    parameter is built from slices rather than whole tensors: read_slice(index) returns the parameter's slice
+    `index` (a tuple of slices, one per axis) in the model's layout, reading only that part of the checkpoint
+    where the layout allows it. checkpoint/sharded.py passes jax.make_array_from_callback with the parameter's
+    sharding, so no process holds a full copy of a sharded weight. The checks are the same either way."""
+    if put is not None and from_slices is not None:
+        raise ValueError("load_hf_weights: pass put or from_slices, not both")
     targets = hf_param_map(cfg)
-    index = read_tensor_index(path)
+    to_load = _check_tensor_index(targets, read_tensor_index(path), cfg, path)
     model_dtype = np.dtype(getattr(model, "dtype", np.float32))
+    if from_slices is None:
+        _stream_tensors(model, targets, to_load, model_dtype, put or (lambda _path, a: jnp.asarray(a)))
+    else:
+        _assemble_from_slices(model, targets, to_load, model_dtype, from_slices)
+    # Every parameter must now be concrete.
+    for p, v in nnx.to_flat_state(nnx.state(model)):
+        if isinstance(v.get_value(), jax.ShapeDtypeStruct):
+            raise ValueError(f"parameter {p} was not filled by any checkpoint tensor (hf_param_map is incomplete)")
+    return model
 
-    # 1. Validate names and shapes from headers before reading any data.
+
+def _check_tensor_index(targets: dict[str, ParamTarget], index: dict, cfg: ModelConfig,
+                        path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Validates names and shapes from the headers before any data is read; returns the tensors to load."""
     skipped_mtp = 0
     to_load: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for name, (fn, shape, st_dtype) in index.items():
@@ -246,8 +234,12 @@ def load_hf_weights(
     if skipped_mtp:
         logger.info("skipped %d tensors of %d multi-token-prediction layer(s)", skipped_mtp,
                     cfg.num_nextn_predict_layers)
+    return to_load
 
-    # 2. Stream tensors file by file; stack per-expert tensors in a host buffer until complete.
+
+def _stream_tensors(model: nnx.Module, targets: dict[str, ParamTarget], to_load: dict, model_dtype: np.dtype,
+                    put: Callable[[tuple, np.ndarray], jax.Array]) -> None:
+    """Reads whole tensors file by file; per-expert tensors are stacked in a host buffer until complete."""
     stacks: dict[tuple, tuple[np.ndarray, set[int]]] = {}
     by_file: dict[str, list[str]] = {}
     for name, (fn, _, _) in to_load.items():
@@ -280,41 +272,86 @@ def load_hf_weights(
     if stacks:  # unreachable when the map and the validation agree; kept as a guard
         raise ValueError(f"incomplete expert stacks: {sorted(map(str, stacks))}")
 
-    # 3. Every parameter must now be concrete.
-    for p, v in nnx.to_flat_state(nnx.state(model)):
-        if isinstance(v.get_value(), jax.ShapeDtypeStruct):
-            raise ValueError(f"parameter {p} was not filled by any checkpoint tensor (hf_param_map is incomplete)")
-    return model
+
+def _assemble_from_slices(model: nnx.Module, targets: dict[str, ParamTarget], to_load: dict,
+                          model_dtype: np.dtype, from_slices: Callable) -> None:
+    """Builds every parameter with from_slices(param_path, shape, dtype, read_slice) (see load_hf_weights)."""
+    groups: dict[tuple, dict] = {}          # param path -> {expert index or None: hf name}
+    for name, t in targets.items():
+        groups.setdefault(t.path, {})[t.expert] = name
+
+    with contextlib.ExitStack() as stack:
+        files: dict[str, Any] = {}
+
+        def read(name: str, idx: tuple | None) -> np.ndarray:
+            fn = to_load[name][0]
+            if fn not in files:
+                files[fn] = stack.enter_context(safe_open(fn, framework="numpy"))
+            sl = files[fn].get_slice(name)
+            return sl[idx] if idx is not None else sl[:]
+
+        def piece(name: str, our_index: tuple, our_shape: tuple) -> np.ndarray:
+            """Our parameter's slice `our_index` of the (per-expert) tensor `name`."""
+            t = targets[name]
+            hf_idx = _hf_index(our_index, our_shape, t.hf_shape, t.transpose)
+            arr = _convert(read(name, hf_idx), to_load[name][2], t, model_dtype, name)
+            if hf_idx is None:
+                arr = arr[our_index]
+            want = tuple(len(range(*s.indices(n))) for s, n in zip(our_index, our_shape))
+            if arr.shape != want:
+                raise ValueError(f"internal: slice {our_index} of {name} converted to shape {arr.shape}, "
+                                 f"expected {want}")
+            return arr
+
+        for ppath, names in groups.items():
+            t0 = targets[next(iter(names.values()))]
+            var = getattr(_module_at(model, t0.module), t0.param)
+            current = var.get_value()
+            shape, pdtype = tuple(current.shape), current.dtype
+            if None in names:                                 # one HF tensor -> the whole parameter
+                def read_slice(idx, name=names[None], shape=shape):
+                    return piece(name, idx, shape)
+            else:                                             # per-expert HF tensors -> stacked [E, ...]
+                if sorted(names) != list(range(shape[0])):
+                    raise ValueError(f"internal: experts of {ppath} in the name map: {sorted(names)}")
+
+                def read_slice(idx, names=names, shape=shape):
+                    experts = range(*idx[0].indices(shape[0]))
+                    return np.stack([piece(names[e], idx[1:], shape[1:]) for e in experts])
+            var.set_value(from_slices(ppath, shape, pdtype, read_slice))
+
+
+def _hf_index(our_index: tuple, our_shape: tuple, hf_shape: tuple, transpose: bool) -> tuple | None:
+    """Map a slice of our parameter (per-expert part only) to a slice of the HF tensor, or None where the layout
+    change does not allow it (then the whole tensor is read). Handles transposed kernels ([out, in] -> [in, out])
+    and packed axes (AWQ int32 holding 8 int4 values: our axis is 8x the HF axis)."""
+    axes = list(range(len(our_shape)))
+    if transpose:
+        axes = axes[::-1]
+    hf_idx = [slice(None)] * len(hf_shape)
+    for ours, sl in enumerate(our_index):
+        hf_axis = axes[ours]
+        start, stop, step = sl.indices(our_shape[ours])
+        if step != 1:
+            return None
+        factor = our_shape[ours] // hf_shape[hf_axis]
+        if factor * hf_shape[hf_axis] != our_shape[ours] or start % factor or stop % factor:
+            return None
+        hf_idx[hf_axis] = slice(start // factor, stop // factor)
+    return tuple(hf_idx)
 
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _resolve_dtype(dtype: Any) -> Any:
+def resolve_dtype(dtype: Any) -> Any:
+    """The model dtype a loader builds with: 'float32' / 'bfloat16' (or those dtypes) -> the jnp type."""
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16' (float16 overflows DeepSeek "
-                             f"activations, DESIGN.md §8)")
+                             f"activations, docs/architecture.md §6)")
         return _DTYPES[dtype]
     d = jnp.dtype(dtype)
     if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"dtype={dtype!r}: expected float32 or bfloat16")
     return d.type
-
-
-def load_model(path: str | os.PathLike, dtype: Any = "float32", *,
-               put: Callable[[tuple, np.ndarray], jax.Array] | None = None):
-    """HF directory (config.json + *.safetensors) -> (DeepseekV3 model, ModelConfig)."""
-    from mla_jax.model.transformer import DeepseekV3
-
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
-    from mla_jax.checkpoint.converted import is_converted, load_converted  # scripts/convert.py output
-    if is_converted(path):
-        return load_converted(path, dtype, put=put)
-    cfg = ModelConfig.from_pretrained(path)
-    jdtype = _resolve_dtype(dtype)
-    model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
-    load_hf_weights(model, cfg, path, put=put)
-    return model, cfg

@@ -4,22 +4,35 @@
     steps.py      prefill_step / decode_step (pure; absorbed MLA decode through pallas_kernels.mla_decode)
     scheduler.py  continuous batching, chunked prefill, preemption by recompute
     paged.py      page allocator, block tables, slots
+    pools.py      per-device page pools and decode rows for data-parallel attention
+    memory.py     bytes per device of the engine's weights and caches over a sharding plan (dry runs)
     sampling.py   on-device greedy / temperature / top-k / top-p sampling with per-request seeds
     params.py     SamplingParams, RequestOutput
     text.py       tokenizer, chat templates, incremental detokenization
 """
+import importlib
+
 from .params import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "StreamEvent", "EngineWeights", "split_model",
-           "allocate_caches", "prefill_step", "decode_step"]
+# Names from llm.py and steps.py are imported on first use: importing mla_jax.engine.text or .params must not
+# pull in jax / flax / the kernels. Same pattern as mla_jax/__init__.py: name -> module.
+_EXPORTS = {
+    "LLM": "mla_jax.engine.llm",
+    "StreamEvent": "mla_jax.engine.llm",
+    "EngineWeights": "mla_jax.engine.steps",
+    "split_model": "mla_jax.engine.steps",
+    "allocate_caches": "mla_jax.engine.steps",
+    "prefill_step": "mla_jax.engine.steps",
+    "decode_step": "mla_jax.engine.steps",
+}
+
+__all__ = ["SamplingParams", "RequestOutput", *_EXPORTS]
 
 
 def __getattr__(name):
-    # lazy: importing mla_jax.engine.text or .params must not pull in jax / flax / the kernels
-    if name in ("LLM", "StreamEvent"):
-        from . import llm
-        return getattr(llm, name)
-    if name in ("EngineWeights", "split_model", "allocate_caches", "prefill_step", "decode_step"):
-        from . import steps
-        return getattr(steps, name)
-    raise AttributeError(f"module 'mla_jax.engine' has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mla_jax.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -16,7 +16,6 @@ normally. Pass raise_on_error=True to generate() to have it raise the first such
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import time
@@ -28,16 +27,23 @@ import numpy as np
 
 import pallas_kernels
 from mla_jax import sharding
+from mla_jax.checkpoint.files import read_generation_config
+from mla_jax.checkpoint.load import load_model
+from mla_jax.checkpoint.sharded import load_sharded
+from mla_jax.config import ModelConfig
+from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
+from .pools import DevicePagePools, decode_rows_by_device
 from .sampling import sample
 from .scheduler import Request, Scheduler
 from .steps import allocate_caches, decode_step, prefill_step, split_model
+from .text import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", *pallas_kernels.CACHE_DTYPES)   # auto: the model dtype
 MIN_CHUNK_BUCKET = 16
 
 
@@ -59,7 +65,7 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 
 class LLM:
-    """Offline generation engine. Arguments as DESIGN §3; engine knobs (keyword only):
+    """Offline generation engine. Arguments as docs/architecture.md §8; engine knobs (keyword only):
 
     num_pages: KV-cache pages per layer including the scratch page (default: enough for max_num_seqs sequences of
         max_model_len tokens, capped by kv_cache_memory_bytes); tests set it small to force waiting/preemption.
@@ -74,22 +80,18 @@ class LLM:
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False):
-        from mla_jax.engine.text import Tokenizer
-        import mla_jax
-
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
                                     "config.json and *.safetensors, or one written by scripts/convert.py)")
         sharding_plan = None
         if tensor_parallel_size != 1 or data_parallel_attention:
-            # each device reads only its slices of the checkpoint (mla_jax.sharding)
-            from mla_jax.config import ModelConfig
+            # each device reads only its slices of the checkpoint (mla_jax.checkpoint.sharded)
             sharding_plan = sharding.ShardingPlan.create(ModelConfig.from_pretrained(path), tensor_parallel_size,
                                                          data_parallel_attention)
-            loaded, cfg = sharding.load_sharded(path, sharding_plan, dtype=dtype)
+            loaded, cfg = load_sharded(path, sharding_plan, dtype=dtype)
         else:
-            loaded, cfg = mla_jax.load_model(path, dtype=dtype)
+            loaded, cfg = load_model(path, dtype=dtype)
         tokenizer = Tokenizer.from_dir(path)
         self._init(loaded, cfg, tokenizer=tokenizer, eos_token_ids=_eos_token_ids(path, cfg, tokenizer),
                    kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend, max_model_len=max_model_len,
@@ -146,6 +148,7 @@ class LLM:
         # (kind, requests in the step, padded rows, seconds from scheduling to sampled tokens on the host); prefill
         # steps that sample nothing are not waited for, so they are not recorded. For benchmarks.
         self.step_times: collections.deque = collections.deque(maxlen=1 << 16)
+        self._decode_times: Optional[list] = None      # see record_decode_times
 
         # Backend: resolved once, logged once (pallas_kernels' INFO line); an impossible request raises here.
         self.backend, self.backend_reason = resolve_backend(attention_backend, self.kv_cache_dtype,
@@ -157,7 +160,7 @@ class LLM:
         if dp_devices > 1:
             # pages and decode rows split evenly over the devices; each sequence lives on one device
             sharding_plan.check_cache_size(num_pages, max_num_seqs)
-            self.allocator = sharding.DevicePagePools(num_pages, page_size, dp_devices, max_num_seqs // dp_devices)
+            self.allocator = DevicePagePools(num_pages, page_size, dp_devices, max_num_seqs // dp_devices)
         else:
             self.allocator = paged.PageAllocator(num_pages, page_size)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -216,6 +219,13 @@ class LLM:
         """Number of compiled variants of the step functions so far (steady state: stops growing)."""
         return sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
 
+    def record_decode_times(self) -> list[tuple[int, float]]:
+        """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
+        before sampling (one extra sync) and appends (padded batch rows, seconds) to the returned list, which the
+        caller may clear. For benchmarks: `step_times` also counts scheduling, input transfer and sampling."""
+        self._decode_times = []
+        return self._decode_times
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
                  raise_on_error: bool = False) -> list[RequestOutput]:
@@ -233,8 +243,6 @@ class LLM:
     def generate_stream(self, prompts, sampling_params=None) -> Iterator["StreamEvent"]:
         """Yields a StreamEvent per generated token (index of the prompt, token id, text delta) and a last event
         whose `outputs` holds every RequestOutput in prompt order."""
-        from mla_jax.engine.text import IncrementalDetokenizer
-
         t0 = time.perf_counter()
         prompts, params = self._normalize(prompts, sampling_params)
         reqs: list[Request] = []
@@ -359,9 +367,9 @@ class LLM:
 
     def _decode_rows(self, reqs: list[Request]) -> list[Optional[Request]]:
         """The decode batch's rows (None = padding), padded to a batch bucket. With data-parallel attention each
-        device's requests fill that device's block of rows (mla_jax.sharding.decode_rows_by_device)."""
-        if isinstance(self.allocator, sharding.DevicePagePools):
-            return sharding.decode_rows_by_device(reqs, self.allocator, self._device_batch_buckets)
+        device's requests fill that device's block of rows (pools.decode_rows_by_device)."""
+        if isinstance(self.allocator, DevicePagePools):
+            return decode_rows_by_device(reqs, self.allocator, self._device_batch_buckets)
         B = _bucket(len(reqs), self._batch_buckets)
         return list(reqs) + [None] * (B - len(reqs))
 
@@ -387,10 +395,14 @@ class LLM:
                 slot[i] = paged.slots(r.pages, [pos], ps)[0]
             bt = paged.block_table([r.pages if r is not None else [] for r in rows], B, self.block_table_width)
             samp = self._sampling_arrays(rows, B)
-            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches,
-                                                  *self._put(tokens, positions, slot, bt, seq_lens),
+            inputs = self._put(tokens, positions, slot, bt, seq_lens)
+            t_decode = time.perf_counter()
+            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches, *inputs,
                                                   backend=self.backend, interpret=self.interpret,
                                                   plan=self.sharding_plan)
+            if self._decode_times is not None:
+                jax.block_until_ready(logits)
+                self._decode_times.append((B, time.perf_counter() - t_decode))
             for r in reqs:
                 r.num_computed = r.num_tokens
             sampled = reqs
@@ -442,22 +454,6 @@ class LLM:
         return events
 
 
-def resolve_backend(requested: str, cache_dtype: str, interpret: bool) -> tuple[str, str]:
-    """(backend name, reason) for mla_decode on the default device, through pallas_kernels' choice (which logs
-    its INFO line for 'auto'); a requested backend that cannot run raises ValueError with the reason."""
-    # NOTE: uses pallas_kernels.mla_decode.api's Target helpers (no public one-call wrapper exists yet).
-    from pallas_kernels.mla_decode import api
-
-    target = api._device_target(api._default_device(), cache_dtype, bool(interpret))
-    name = api.select_backend(requested, target)
-    if requested == "auto":
-        _, rule = api._auto_order(target)
-        reason = f"auto: {rule}; {target.describe()}"
-    else:
-        reason = f"requested explicitly; it can run on {target.describe()}"
-    return name, reason
-
-
 class StreamEvent:
     """One generated token of request `index` (token_id, text delta, finish_reason once it finished), or — the
     last event of a stream — index None and `outputs` = every RequestOutput in prompt order."""
@@ -490,8 +486,5 @@ def _eos_token_ids(path: str, cfg, tokenizer) -> frozenset:
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
     else:
-        gen = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen):
-            with open(gen) as f:
-                eos |= set(_as_tuple(json.load(f).get("eos_token_id")))
+        eos |= set(_as_tuple(read_generation_config(path).get("eos_token_id")))
     return frozenset(int(i) for i in eos)

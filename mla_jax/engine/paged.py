@@ -1,4 +1,4 @@
-"""Page allocator and block-table helpers for the paged MLA KV cache (DESIGN §5).
+"""Page allocator and block-table helpers for the paged MLA KV cache (docs/architecture.md §2).
 
 A page holds `page_size` consecutive tokens of one sequence in every layer's cache (the layers share one page
 numbering). Slot of token position p of a sequence = block[p // page_size] * page_size + p % page_size.

@@ -5,6 +5,8 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+from mla_jax.checkpoint.files import read_generation_config
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -73,6 +75,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_generation_config(cls, model_dir, **fields) -> "SamplingParams":
+        """SamplingParams for a checkpoint: temperature, top_p and top_k default to its generation_config.json
+        (read by mla_jax.checkpoint.files.read_generation_config), everything else to this class's defaults;
+        `fields` (any SamplingParams field) override both.
+
+        "do_sample": false in the file means greedy (temperature 0; its temperature/top_p/top_k are not read);
+        "top_k": 0 (HF's "off") becomes -1. Without the file the class defaults apply (greedy). Raises ValueError
+        for an unreadable file or values SamplingParams rejects."""
+        gen = read_generation_config(model_dir)
+        if gen.get("do_sample") is False:
+            defaults = {"temperature": 0.0}
+        else:
+            defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+            if defaults.get("top_k") == 0:
+                defaults["top_k"] = -1
+        return cls(**{**defaults, **fields})
 
 
 @dataclasses.dataclass

@@ -27,9 +27,9 @@ from flax import nnx
 
 import pallas_kernels
 from mla_jax import sharding
-from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, dequantize_fp8
 from mla_jax.config import ModelConfig
 from mla_jax.model.layers import matmul_precision
+from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 
 
 class EngineWeights(NamedTuple):
@@ -56,7 +56,7 @@ def allocate_caches(cfg: ModelConfig, num_pages: int, *, page_size: int = 64, dt
 
 def decode_query_dtype(cache) -> jnp.dtype:
     """dtype of the absorbed query handed to mla_decode: float32 for a float32 cache (xla exactness path), else
-    bfloat16 (the kernels' query dtype, DESIGN §6)."""
+    bfloat16 (the kernels' query dtype, docs/architecture.md §3)."""
     return jnp.float32 if cache.dtype == "float32" else jnp.bfloat16
 
 
@@ -64,7 +64,7 @@ def decode_query_dtype(cache) -> jnp.dtype:
 def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence, tokens: jax.Array,
                 positions: jax.Array, slots: jax.Array, block_table: jax.Array, seq_lens: jax.Array, *,
                 backend: str = "xla", interpret: bool = False, plan=None) -> tuple[tuple, jax.Array]:
-    """One decode step for B sequences, absorbed MLA (DESIGN §4).
+    """One decode step for B sequences, absorbed MLA (docs/architecture.md §5).
 
     tokens int32 [B]: each sequence's newest token; positions int32 [B]: its position; slots int32 [B]: the cache
     slot it is written to (block_table[b, pos // ps] * ps + pos % ps); block_table int32 [B, P]; seq_lens int32 [B]
@@ -146,7 +146,7 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
         q_nope, q_rope = ops.heads(q_nope, -2), ops.heads(q_rope, -2)
         latent, k_rope = attn.project_kv(x, positions)                              # [N,C,Cl],   [N,C,R]
         if P:
-            pre_lat, pre_rope = ops.read_pages(read_pages, cache, block_table)    # [N,P·ps,576 split]
+            pre_lat, pre_rope = ops.read_pages(cache, block_table)               # [N,P·ps,576 split]
             pre_lat, pre_rope = pre_lat[..., : cfg.kv_lora_rank], pre_rope[..., : cfg.qk_rope_head_dim]
             # free / stale pages may hold anything (even NaN): zero what the mask will drop, so 0·NaN never occurs
             pre_lat = jnp.where(prefix_valid[..., None], pre_lat, 0).astype(latent.dtype)
@@ -178,19 +178,7 @@ def prefill_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequenc
     return ops.caches(tuple(new_caches)), model.logits(h_last)
 
 
-# ---- cache access (format owned by pallas_kernels, DESIGN §5) ---------------------------------------------------
-def read_pages(cache, block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Dequantized contents of each row's pages: (latent [N, P·ps, Cl], rope [N, P·ps, R]), float32 for fp8
-    caches, else the cache's dtype. Only the pages in block_table are touched (not the whole pool)."""
-    n, p = block_table.shape
-    ps = cache.page_size
-    latent = cache.latent[block_table]                                               # [N,P,ps,Cl]
-    if cache.scale is not None:
-        latent = dequantize_fp8(latent, cache.scale[block_table])
-    rope = cache.rope[block_table]                                                   # [N,P,ps,R]
-    return latent.reshape(n, p * ps, -1), rope.reshape(n, p * ps, -1)
-
-
+# ---- cache format (owned by pallas_kernels, docs/architecture.md §2) -------------------------------------------
 def check_cache_fits(cfg: ModelConfig) -> None:
     """The cache format is FlashMLA's (latent 512 | rope 64). Smaller models (tests, small checkpoints) are stored
     zero-padded, which leaves every dot product unchanged (and, for fp8, every tile's amax); larger ones cannot

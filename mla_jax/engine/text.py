@@ -20,6 +20,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from mla_jax.checkpoint.files import read_generation_config
+
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 
 
@@ -144,16 +146,15 @@ class Tokenizer:
             raise ValueError(f"{tok_path} could not be read by the `tokenizers` library: {e}") from e
         cfg_path = os.path.join(path, "tokenizer_config.json")
         cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
-        gen_path = os.path.join(path, "generation_config.json")
+        gen_eos = read_generation_config(path).get("eos_token_id")
         extra_eos: list[int] = []
-        if os.path.isfile(gen_path):
-            gen_eos = _read_json(gen_path).get("eos_token_id")
-            if isinstance(gen_eos, int):
-                extra_eos = [gen_eos]
-            elif isinstance(gen_eos, list) and all(isinstance(i, int) for i in gen_eos):
-                extra_eos = list(gen_eos)
-            elif gen_eos is not None:
-                raise ValueError(f"{gen_path}: eos_token_id must be an int or a list of ints, got {gen_eos!r}")
+        if isinstance(gen_eos, int):
+            extra_eos = [gen_eos]
+        elif isinstance(gen_eos, list) and all(isinstance(i, int) for i in gen_eos):
+            extra_eos = list(gen_eos)
+        elif gen_eos is not None:
+            gen_path = os.path.join(path, "generation_config.json")
+            raise ValueError(f"{gen_path}: eos_token_id must be an int or a list of ints, got {gen_eos!r}")
         return cls(
             tok,
             bos_token=_token_content(cfg.get("bos_token"), "bos_token", cfg_path),

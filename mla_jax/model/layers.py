@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.config import ModelConfig
+from mla_jax.quant.awq import AWQLinear
 
 _INIT_STD = 0.02
 
@@ -43,12 +44,6 @@ def make_linear(cfg: ModelConfig, in_features: int, out_features: int, hf_name: 
     q = cfg.quantization
     if q is None or q.excludes(hf_name):
         return Linear(in_features, out_features, dtype=dtype, rngs=rngs)
-    try:
-        from mla_jax.quant.awq import AWQLinear
-    except ImportError as e:  # the AWQ module is built separately (mla_jax/quant/awq.py)
-        raise NotImplementedError(
-            f"{hf_name}: the checkpoint is AWQ-quantized but mla_jax.quant.awq.AWQLinear is not available ({e})"
-        ) from e
     return AWQLinear(q, in_features, out_features, hf_name=hf_name, dtype=dtype, rngs=rngs)
 
 

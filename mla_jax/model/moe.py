@@ -6,7 +6,7 @@ Routed experts, two exact implementations (no capacity limit, no token dropping)
   differentiable. jax 0.11 cannot vmap ragged_dot, so vmapping a model over a batch axis needs "dense".
 - "dense": every expert runs on every token and a [T, E] combine matrix (zero for unchosen experts) weights the
   results. Work ∝ T·E; composes with vmap and with sharding the E axis.
-On GPU XLA expands ragged_dot to a dense masked dot anyway (DESIGN.md §7); a faster grouped GEMM for large
+On GPU XLA expands ragged_dot to a dense masked dot anyway (docs/architecture.md §9); a faster grouped GEMM for large
 models belongs to the engine.
 """
 
@@ -18,6 +18,7 @@ from flax import nnx
 
 from mla_jax.config import ModelConfig
 from mla_jax.model.layers import MLP, matmul_precision
+from mla_jax.quant.awq import AWQExperts
 
 _INIT_STD = 0.02
 
@@ -89,6 +90,11 @@ class Experts(nnx.Module):
         self.w_up = nnx.Param(init((num_experts, hidden, intermediate)))
         self.w_down = nnx.Param(init((num_experts, intermediate, hidden)))
 
+    # Under expert parallelism a (token, expert) pair routed to another device's experts still needs an index
+    # here; it gets weight 0. This call contract has no "no expert" index, so it is expert 0: a wasted row, still
+    # exact. (AWQExperts.padding_expert_index skips such pairs.)
+    padding_expert_index = 0
+
     def __call__(self, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array) -> jax.Array:
         """x [T, D], topk_idx int [T, K], topk_w [T, K] -> Σ_k w·down(silu(gate x)·up x)  [T, D] in x.dtype."""
         if self.impl == "dense":
@@ -134,12 +140,6 @@ def make_experts(cfg: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs):
     q = cfg.quantization
     if q is None or q.excludes(hf_prefix):
         return Experts(E, D, I, dtype=dtype, rngs=rngs)
-    try:
-        from mla_jax.quant.awq import AWQExperts
-    except ImportError as e:
-        raise NotImplementedError(
-            f"{hf_prefix}: the checkpoint is AWQ-quantized but mla_jax.quant.awq.AWQExperts is not available ({e})"
-        ) from e
     return AWQExperts(q, E, D, I, hf_prefix=hf_prefix, dtype=dtype, rngs=rngs)
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / V2 decoder-only transformer (Flax NNX), HF transformers semantics (DESIGN.md §4).
+"""DeepSeek-V3 / V2 decoder-only transformer (Flax NNX), HF transformers semantics (docs/architecture.md §5).
 
     h = embed_tokens(ids)
     for layer in layers:  h = h + self_attn(input_layernorm(h));  h = h + mlp(post_attention_layernorm(h))
@@ -45,7 +45,7 @@ class DeepseekV3(nnx.Module):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        # lm_head is never quantized (DESIGN.md §8), so it is a plain Linear.
+        # lm_head is never quantized (docs/architecture.md §6), so it is a plain Linear.
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                                                    rngs=rngs)
 

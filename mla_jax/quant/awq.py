@@ -1,4 +1,5 @@
-"""AWQ 4-bit layers (AutoAWQ GEMM checkpoints, DESIGN.md §8) with the weights resident as int4 on the device.
+"""AWQ 4-bit layers (AutoAWQ GEMM checkpoints, docs/architecture.md §6) with the weights resident as int4 on the
+device.
 
 Storage (per quantized Linear [in, out], group size G):
   qweight  jnp.int4 [in, out]      q - 8, logical column order (unpacked from the checkpoint's int32 [in, out/8])
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mla_jax.checkpoint.targets import ParamTarget
 from mla_jax.quant.pack import PACK, unpack_int4
 
 INT4_OFFSET = 8  # stored int4 value = unsigned 4-bit value - 8
@@ -150,8 +152,6 @@ def awq_linear_targets(quant, hf_module: str, module: tuple, param: str, in_feat
 
     AWQLinear params are qweight/qzeros/scales; an expert's go to the stacked AWQExperts params
     `{param}_qweight` etc. (param = w_gate / w_up / w_down) at index `expert`."""
-    from mla_jax.checkpoint.hf import ParamTarget
-
     check_awq_config(quant, hf_module)
     check_linear_shape(hf_module, in_features, out_features, quant.group_size)
     ng = in_features // quant.group_size
@@ -301,6 +301,13 @@ class AWQExperts(nnx.Module):
             setattr(self, f"w_{name}_qweight", QuantWeight(q))
             setattr(self, f"w_{name}_qzeros", QuantWeight(z))
             setattr(self, f"w_{name}_scales", QuantWeight(s))
+
+    @property
+    def padding_expert_index(self) -> int:
+        """The expert index for (token, expert) pairs this module must not compute (under expert parallelism: pairs
+        routed to another device's experts): num_experts, which route_tiles' per-expert counts leave out, so such a
+        pair lands in no tile and costs nothing."""
+        return self.num_experts
 
     def _weights(self, name: str, experts: jax.Array) -> jax.Array:
         """Dequantized weights of the given experts: [len(experts), in, out] in the model dtype."""

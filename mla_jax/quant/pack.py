@@ -1,6 +1,6 @@
 """AutoAWQ "GEMM" packing on the host (numpy): quantize, pack, unpack, dequantize, and whole-checkpoint packing.
 
-The format (DESIGN.md §8, AutoAWQ `WQLinear_GEMM`):
+The format (docs/architecture.md §6, AutoAWQ `WQLinear_GEMM`):
   qweight int32 [in, out/8]    eight 4-bit values per int32 along the output axis
   qzeros  int32 [in/G, out/8]  the zero point of each (group, column), packed the same way
   scales  fp16  [in/G, out]

@@ -1,4 +1,4 @@
-"""mla_decode: the public op, backend choice, input validation and the output contract (DESIGN §6).
+"""mla_decode: the public op, backend choice, input validation and the output contract (docs/architecture.md §3).
 
 Backend-facing calling convention
 ---------------------------------
@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels.mla_decode.cache import CACHE_DTYPES, LATENT_DIM, ROPE_DIM, MLAKVCache
+from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache, check_cache_dtype
 
 logger = logging.getLogger("pallas_kernels")
 
@@ -153,9 +153,8 @@ def backend_unavailable_reason(name: str, t: Target) -> str | None:
 def available_backends(cache_dtype: str = "fp8_e4m3", *, interpret: bool = False,
                        device=None) -> dict[str, str | None]:
   """{backend: None if it can run on `device` (default: jax's default device) for this cache dtype, else why}."""
-  if cache_dtype not in CACHE_DTYPES:
-    raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
-  t = _device_target(device if device is not None else _default_device(), cache_dtype, interpret)
+  t = _device_target(device if device is not None else _default_device(), check_cache_dtype(cache_dtype),
+                     interpret)
   return {name: backend_unavailable_reason(name, t) for name in BACKENDS}
 
 
@@ -188,9 +187,24 @@ def select_backend(requested: str, t: Target) -> str:
   return requested
 
 
+def resolve_backend(requested: str, cache_dtype: str, interpret: bool, device=None) -> tuple[str, str]:
+  """(backend name, reason) that mla_decode would run for a cache of `cache_dtype` on `device` (default: jax's
+  default device): resolve once up front, e.g. when an engine starts, and pass the name to every call.
+
+  'auto' picks as mla_decode does (and logs the same INFO line); a named backend that cannot run raises
+  ValueError saying why and which would run."""
+  target = _device_target(device if device is not None else _default_device(), check_cache_dtype(cache_dtype),
+                          bool(interpret))
+  name = select_backend(requested, target)
+  if requested == "auto":
+    _, rule = _auto_order(target)
+    return name, f"auto: {rule}; {target.describe()}"
+  return name, f"requested explicitly; it can run on {target.describe()}"
+
+
 # ---- validation and output contract (shared by every backend) ----------------------------------------------
 def validate_inputs(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale, causal) -> None:
-  """Raises ValueError (what is wrong and what is expected) unless the inputs satisfy DESIGN §6."""
+  """Raises ValueError (what is wrong and what is expected) unless the inputs satisfy docs/architecture.md §3."""
   if not isinstance(cache, MLAKVCache):
     raise ValueError(f"cache must be a pallas_kernels.MLAKVCache, got {type(cache).__name__}")
   cache.validate()
@@ -380,7 +394,7 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool = False, backend: str = "auto",
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """MLA decode attention over a paged latent cache (FlashMLA semantics, DESIGN §6).
+  """MLA decode attention over a paged latent cache (FlashMLA semantics, docs/architecture.md §3).
 
   q [B, Sq, H, 576] bf16 (absorbed q_nope 512 | q_rope 64); cache MLAKVCache; block_table int32 [B, max_pages];
   seq_lens int32 [B]. Returns out [B, Sq, H, 512] (q.dtype) and lse float32 [B, H, Sq], the natural log of

@@ -1,4 +1,4 @@
-"""Paged MLA KV cache: the storage format the decode kernels read (DESIGN §5).
+"""Paged MLA KV cache: the storage format the decode kernels read (docs/architecture.md §2).
 
 One cache holds one layer. Token slot s lives at page s // page_size, offset s % page_size.
 
@@ -32,9 +32,11 @@ _FORMATS = {
     "float32": (jnp.float32, jnp.float32, False),
 }
 CACHE_DTYPES = tuple(_FORMATS)
+"""The cache format names, the one list every check of a cache dtype name uses."""
 
 
-def _check_dtype_name(dtype: str) -> str:
+def check_cache_dtype(dtype: str) -> str:
+  """Returns `dtype` if it names a cache format, else raises ValueError listing CACHE_DTYPES."""
   if not isinstance(dtype, str) or dtype not in _FORMATS:
     raise ValueError(f"MLAKVCache dtype must be one of {CACHE_DTYPES}, got {dtype!r}")
   return dtype
@@ -82,7 +84,7 @@ class MLAKVCache:
   @classmethod
   def allocate(cls, num_pages: int, page_size: int = 64, dtype: str = "bfloat16") -> "MLAKVCache":
     """A zero-filled pool of num_pages pages of page_size tokens."""
-    _check_dtype_name(dtype)
+    check_cache_dtype(dtype)
     if not isinstance(num_pages, int) or num_pages < 1:
       raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
     if not isinstance(page_size, int) or page_size < 1:
@@ -168,19 +170,31 @@ class MLAKVCache:
                                  scale=put(self.scale, scale))
     return dataclasses.replace(self, latent=put(self.latent, latent), rope=put(self.rope, rope))
 
-  # ---- reading (references, tests) -----------------------------------------------------------------------
+  # ---- reading (the xla backend, the engine's prefill, tests) ------------------------------------------
+  def gather(self, block_table: jax.Array, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """The tokens of the pages block_table [..., n] names, in order: (latent [..., n·ps, 512], rope [..., n·ps,
+    64]). fp8 latents are dequantized (value × its tile's scale, in float32); the other arrays come as stored.
+    dtype: cast both to it. Only the named pages are read, not the whole pool; entries must lie in
+    [0, num_pages) (clamp or mask padding entries first). The one place pages are gathered and dequantized."""
+    latent = self.latent[block_table]                                  # [..., n, ps, 512]
+    if self.scale is not None:
+      latent = dequantize_fp8(latent, self.scale[block_table])
+    rope = self.rope[block_table]                                      # [..., n, ps, 64]
+    tokens = (*block_table.shape[:-1], block_table.shape[-1] * self.page_size)
+    latent, rope = latent.reshape(*tokens, LATENT_DIM), rope.reshape(*tokens, ROPE_DIM)
+    if dtype is not None:
+      latent, rope = latent.astype(dtype), rope.astype(dtype)
+    return latent, rope
+
   def dequantize(self) -> tuple[jax.Array, jax.Array]:
     """(latent f32 [P, ps, 512], rope f32 [P, ps, 64]): the values the kernels compute with."""
-    if self.scale is not None:
-      latent = dequantize_fp8(self.latent, self.scale)
-    else:
-      latent = self.latent.astype(jnp.float32)
-    return latent, self.rope.astype(jnp.float32)
+    every_page = jnp.arange(self.num_pages, dtype=jnp.int32)[:, None]   # one page per row: [P, 1]
+    return self.gather(every_page, jnp.float32)
 
 
 def cache_bytes_per_token(dtype: str) -> int:
   """Bytes one token occupies in a cache of the named format (656 for fp8_e4m3, 1152 for bfloat16)."""
-  lat_dt, rope_dt, has_scale = _FORMATS[_check_dtype_name(dtype)]
+  lat_dt, rope_dt, has_scale = _FORMATS[check_cache_dtype(dtype)]
   n = LATENT_DIM * jnp.dtype(lat_dt).itemsize + ROPE_DIM * jnp.dtype(rope_dt).itemsize
   return n + (LATENT_DIM // FP8_TILE * 4 if has_scale else 0)
 

@@ -1,9 +1,9 @@
 """The `mosaic_sm90` backend: paged MLA decode for Hopper in Pallas Mosaic GPU (`plgpu.kernel`).
 
-Shape of the work (DESIGN §6, FlashMLA semantics). Query rows are the (token, head) pairs of one sequence,
-r = s * H + h, packed N rows per CTA (N <= 32, a multiple of 8; more rows -> G head groups of N). Every key page
-of 64 tokens is used in "swapped" orientation so that the 64 tokens fill the 64-row side of wgmma and the few
-query rows are its N side (a 16-head decode then wastes no MMA work on padding):
+Shape of the work (the op of docs/architecture.md §3, FlashMLA semantics). Query rows are the (token, head) pairs
+of one sequence, r = s * H + h, packed N rows per CTA (N <= 32, a power of two >= 8; more rows -> G head groups of
+N). Every key page of 64 tokens is used in "swapped" orientation so that the 64 tokens fill the 64-row side of
+wgmma and the few query rows are its N side (a 16-head decode then wastes no MMA work on padding):
 
     S^T [64 tok, N]  = K [64 tok, 576] . Q^T          (A = page tile in SMEM, K-major; B = Q, K-major)
     O^T [512, N]    += V^T [512, 64 tok] . P^T        (A = the same page tile, transposed; B = P [N, 64] in SMEM)
@@ -22,8 +22,9 @@ the partials of each sequence in one Pallas pass (`_combine` here is its plain-X
 past a sequence's length never enter a sum: the table entries are never read, tail slots are zeroed by select
 before any product, scores past the length (or the causal limit) are masked to -inf by select.
 
-Register budgets are set per warpgroup (producer 40, compute 232). A 4th warpgroup dequantizing the next page
-into a second f16 page was built and measured slower (its SMEM left a 1-slot ring; NOTES.md v4, commit 8ac9bf4).
+Register budgets are set per warpgroup (producer 40, compute 232): the producer needs few, and with a uniform 168
+the compute warpgroups (a [256, N] f32 accumulator, the [64, N] scores and row sums) took 1.36-1.43x as long on
+the H200 (bench/HISTORY.md). What bounds this kernel, measured, and the designs that would lift it: NOTES.md here.
 """
 from __future__ import annotations
 
@@ -75,7 +76,6 @@ class Plan:
   num_stages: int      # page ring depth
   fp8: bool
   split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
-  auto_barriers: bool = False  # Mosaic's warpgroup barrier around every SMEM store (not needed: see _build_call)
 
   @property
   def smem_bytes(self) -> int:
@@ -116,18 +116,16 @@ def _num_sms() -> int:
 
 
 # Query rows (Sq*H packed) one CTA holds (wgmma N); more rows -> head groups in one launch (grid axis "g").
-# FUSED_HEAD_GROUPS = False runs each group of heads as its own launch instead (the workaround used while >= 24-row
-# CTAs were wrong on the H200; the cause was the shared reduction scratch, see _reduction_scratch_bytes).
 MAX_ROWS_PER_CTA = 32
-FUSED_HEAD_GROUPS = True
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None, split_p: bool | None = None, auto_barriers: bool = False) -> Plan:
+              rows_per_cta: int | None = None, split_p: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
-  split_p defaults to True for a bf16 cache: a bf16 P alone (FlashMLA's choice) misses DESIGN §6's out tolerance
-  on elements near 0 when |V| is large. An fp8 cache computes P.V in f16 (2^-11), which meets it.
+  split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
+  per output element, which docs/architecture.md §3 admits only under a widened bound; the split keeps P at
+  f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
@@ -147,7 +145,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, "
                      f"over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p, auto_barriers=bool(auto_barriers))
+              split_p=split_p)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -210,9 +208,7 @@ def _combine(o_part, lse2_part, sched, batch: int):
 
 # ---- the kernel ------------------------------------------------------------------------------------------
 def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float,
-                num_pages: int, interpret: bool, ablate: frozenset = frozenset()):
-  """ablate (timing experiments only, results are wrong): 'stream' = compute warpgroups only wait for and
-  release pages; 'nodequant' = fp8 pages are not dequantized (stale f16 tile); 'noswap' = no score swap."""
+                num_pages: int, interpret: bool):
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
@@ -373,13 +369,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             plgpu.barrier_wait(loaded.at[slot])
             release = consumed.at[slot]
             rope_tile = ring_rope.at[slot]
-            if "stream" in ablate:
-              plgpu.barrier_arrive(release)
-              return carry
             if fp8:
-              if "nodequant" not in ablate:
-                dequant(slot, w, n_valid)
-                plgpu.commit_smem()
+              dequant(slot, w, n_valid)
+              plgpu.commit_smem()
               tile = kbuf.at[w]
             else:
               zero_tail(slot, n_valid)
@@ -399,19 +391,16 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               plgpu.barrier_arrive(release)            # latent dequantized, rope read: slot free
 
             # swap partial scores with the other warpgroup (sx[w] is rewritten only after both read it)
-            if "noswap" in ablate:
-              s = s_mine
-            else:
-              @pl.when(c > 0)
-              def _():
-                plgpu.barrier_wait(xread)
+            @pl.when(c > 0)
+            def _():
+              plgpu.barrier_wait(xread)
 
-              sx[w] = s_mine
-              plgpu.barrier_arrive(xbar)
-              plgpu.barrier_wait(xbar)
-              s_other = sx[1 - w]
-              plgpu.barrier_arrive(xread)
-              s = (s_mine + s_other) if w == 0 else (s_other + s_mine)   # identical bits in both warpgroups
+            sx[w] = s_mine
+            plgpu.barrier_arrive(xbar)
+            plgpu.barrier_wait(xbar)
+            s_other = sx[1 - w]
+            plgpu.barrier_arrive(xread)
+            s = (s_mine + s_other) if w == 0 else (s_other + s_mine)   # identical bits in both warpgroups
 
             # online softmax over the 64 keys (axis 0) of each query row (axis 1), log2 domain
             s = s * scale_log2
@@ -463,10 +452,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
 
-      if not ablate & {"stream", "noswap"}:
-        @pl.when(done > 0)
-        def _():
-          plgpu.barrier_wait(xread)          # the last swap's read-release, so no phase is left pending
+      @pl.when(done > 0)
+      def _():
+        plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))
@@ -476,7 +464,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
       grid_names=("g", "part"), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not plan.auto_barriers,
+      # No automatic warpgroup barrier around SMEM stores: every SMEM hand-off here is already ordered by an
+      # mbarrier (each thread arrives with release semantics) or by commit_smem, and the automatic barriers cost
+      # 2 warpgroup syncs per store (they made the fp8 h16 kernel ~10% slower on the H200, bench/HISTORY.md).
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=_reduction_scratch_bytes(n)),
       interpret=_interpret_params(interpret))
 
@@ -490,12 +481,12 @@ def _interpret_params(interpret):
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
-               num_stages: int | None = None, rows_per_cta: int | None = None, split_p: bool | None = None,
-               auto_barriers: bool = False, fuse_head_groups: bool | None = None,
-               _ablate: frozenset = frozenset()) -> tuple[jax.Array, jax.Array]:
+               num_stages: int | None = None, rows_per_cta: int | None = None,
+               split_p: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
-  num_parts / num_stages / rows_per_cta / fuse_head_groups override the plan (tests and tuning); None picks them.
+  num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
+  what api.py calls) lets make_plan pick them.
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -505,27 +496,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
-  max_rows = rows_per_cta or MAX_ROWS_PER_CTA
-  fuse = FUSED_HEAD_GROUPS if fuse_head_groups is None else bool(fuse_head_groups)
-  if sq * heads > max_rows and not fuse:
-    # each group of heads as its own G = 1 launch (each streams the whole cache again)
-    if sq > max_rows:
-      raise ValueError(f"mosaic_sm90 handles at most {max_rows} query tokens per sequence (Sq={sq}); "
-                       "use backend='triton' or 'xla'")
-    per_launch = max_rows // sq
-    launches = -(-heads // per_launch)
-    step = -(-heads // launches)
-    outs, lses = [], []
-    for h0 in range(0, heads, step):
-      o, l = mla_decode(q[:, :, h0:h0 + step], cache, block_table, seq_lens, softmax_scale=softmax_scale,
-                        causal=causal, interpret=interpret, num_parts=num_parts, num_stages=num_stages,
-                        rows_per_cta=rows_per_cta, split_p=split_p, auto_barriers=auto_barriers,
-                        fuse_head_groups=False, _ablate=_ablate)
-      outs.append(o)
-      lses.append(l)
-    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p, auto_barriers=auto_barriers)
+                   split_p=split_p)
   rows_padded = plan.n * plan.groups
   qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
   if rows_padded != plan.rows:
@@ -537,7 +509,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
   cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
-                     num_pages=cache.num_pages, interpret=interpret, ablate=frozenset(_ablate))
+                     num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, qf, *cache_arrays, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,

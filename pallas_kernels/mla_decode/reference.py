@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla_decode.cache import LATENT_DIM, MLAKVCache, dequantize_fp8
+from pallas_kernels.mla_decode.cache import LATENT_DIM, MLAKVCache
 
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
@@ -23,13 +23,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   n = max_pages * ps
   # Entries past a sequence's pages may hold anything: clip so the gather stays in bounds, mask below.
   pages = jnp.clip(block_table, 0, cache.num_pages - 1)
-  latent = cache.latent[pages].reshape(b, n, LATENT_DIM)            # [B, N, 512]
-  rope = cache.rope[pages].reshape(b, n, -1)                        # [B, N, 64]
-  if cache.scale is not None:
-    latent = dequantize_fp8(latent, cache.scale[pages].reshape(b, n, -1))
   compute_dt = jnp.float32 if cache.dtype == "float32" or q.dtype == jnp.float32 else jnp.bfloat16
   # fp8 values times a power-of-two scale are exact in bf16, so this cast loses nothing.
-  kv = jnp.concatenate([latent.astype(compute_dt), rope.astype(compute_dt)], axis=-1)  # [B, N, 576]
+  latent, rope = cache.gather(pages, compute_dt)                    # [B, N, 512], [B, N, 64]
+  kv = jnp.concatenate([latent, rope], axis=-1)                     # [B, N, 576]
 
   pos = jnp.arange(n, dtype=jnp.int32)
   lens = seq_lens.astype(jnp.int32)

@@ -1,11 +1,11 @@
 """The `triton` backend: portable paged MLA decode (Pallas Triton lowering, sm80+; CPU with interpret=True).
 
-Shape of the work (DESIGN §6): query rows are (token, head) pairs, row r = i * H + h, packed into blocks of
-block_r rows (padded inside this module). Grid = (row blocks, splits, batch); program (r, s, b) walks chunk s of
-sequence b's pages (block_n tokens at a time, page looked up in the block table in-kernel) with an online softmax
-and writes a partial (o, lse) in f32; an XLA step combines the splits (with one split the kernel writes the
-final output). The grid's first axis varies fastest at launch, so the row blocks sharing a stretch of cache run
-side by side and share it through L2.
+Shape of the work (the op of docs/architecture.md §3): query rows are (token, head) pairs, row r = i * H + h,
+packed into blocks of block_r rows (padded inside this module). Grid = (row blocks, splits, batch); program
+(r, s, b) walks chunk s of sequence b's pages (block_n tokens at a time, page looked up in the block table
+in-kernel) with an online softmax and writes a partial (o, lse) in f32; an XLA step combines the splits (with one
+split the kernel writes the final output). The grid's first axis varies fastest at launch, so the row blocks
+sharing a stretch of cache run side by side and share it through L2.
 
 bf16 cache: per chunk, s = q_lat . k_lat^T + q_rope . k_rope^T (bf16 MMAs, f32 accumulation), o += p . k_lat.
 
@@ -17,14 +17,16 @@ fp8 cache, decoded without fp8 hardware (sm80 has no e4m3 conversion in Triton):
   float16 s|0eeee|mmm0000000 = e4m3 value * 2^-8, exactly, subnormals included (both formats put the subnormal
   step at 2^-(bias-1) times the mantissa). The MMAs run in f16 on these values, which needs no float
   conversion instruction at all (a bf16 MMA would need f16 -> f32 -> bf16 per element).
-- fp8_decode (config key) picks how: "ptx_planes" (default) computes the same bits with inline PTX, one prmt
-  (two bytes sign-extended into two 16-bit lanes at once), shl, and per pair of elements, all sm80 integer
-  instructions; "int" is the jnp form (~14 instructions per pair as LLVM emits it); "ptx_tile" interleaves the
-  planes back into column order (one MMA chain per tile), "ptx_bytes" loads int8 in column order and decodes 4
-  bytes per PTX call; "native" is the sm89+ hardware conversion (diagnostic). Interpret mode runs the jnp decode
-  for every variant (inline PTX has no CPU form); tests/test_mla_triton.py checks the PTX on a bit-level model.
-  The PTX takes its shift count from a run-time operand so that Triton decodes each tile once, where it is
-  loaded, rather than once per MMA operand layout (see _word_plane_ptx).
+- The production path (default_config) decodes with inline PTX: one prmt (two bytes sign-extended into two
+  16-bit lanes at once), shl, and per pair of elements, all sm80 integer instructions. Up to 32 query rows it
+  reads int32 words in byte-plane order ("ptx_planes"); above, int8 in column order, 4 bytes per PTX call
+  ("ptx_bytes"). The PTX takes its shift count from a run-time operand so that Triton decodes each tile once,
+  where it is loaded, rather than once per MMA operand layout (see _word_plane_ptx).
+- The `fp8_decode` config key also selects variants kept for scripts/bench_mla.py's sweep and the tests: "int"
+  (the jnp form, ~14 instructions per pair as LLVM emits it), "ptx_tile" (planes interleaved back into column
+  order, one MMA chain per tile) and "native" (the sm89+ hardware conversion, a yardstick for the integer
+  decode). Interpret mode runs the jnp decode for every variant (inline PTX has no CPU form);
+  tests/test_mla_triton.py checks the PTX on a bit-level model.
 - q_lat enters as f16 times a per-row power of two (exact, _f16_rows); per-token tile scales (x 2^8) multiply
   the [rows x tokens] scores, and for P . V they multiply p divided by the chunk's largest scale of the tile
   (exact powers of two, so p stays <= 1 in f16), that largest scale multiplying the MMA result.
@@ -280,6 +282,8 @@ def _decode_kernel(block_table_ref, seq_lens_ref, q_lat_ref, q_rope_ref, latent_
 # fp8_decode: "int" jnp integer decode of int32 words, byte-plane column order (16 column groups);
 # "ptx_planes" the same by inline PTX; "ptx_tile" PTX word decode, planes interleaved back to column order
 # (4 groups); "ptx_bytes" int8 loads in column order, PTX 4 bytes per call; "native" sm89+ e4m3 conversion.
+# Production (default_config) uses ptx_planes (<= 32 rows) and ptx_bytes (more); the others are benchmark
+# and test variants.
 _FP8_DECODES = ("int", "ptx_planes", "ptx_tile", "ptx_bytes", "native")
 _WORD_DECODES = ("int", "ptx_planes", "ptx_tile")      # latent read as int32 words
 _PLANE_DECODES = ("int", "ptx_planes")                 # q_lat and the output in byte-plane column order
@@ -300,13 +304,13 @@ def default_config(batch: int, rows: int, max_pages: int, page_size: int, *, int
                    cache_dtype: str = "fp8_e4m3") -> dict:
   """Kernel configuration from the problem size: block_r, block_n, num_splits, num_warps, num_stages, fp8_decode.
 
-  Measured on the H200 (sweep of commit 22fa9ff, NOTES.md "v4 measured"), b128 L4096. fp8: the inline-PTX
-  byte-plane decode ("ptx_planes": 3 instructions per pair of elements, each tile decoded once) with 16-row blocks
-  and 32-token chunks: h16 260 us (64-token chunks 343 us, the int decode 338 us). Up to 32 rows (h16 Sq2) the
-  same kernel runs two row blocks that share the cache through L2 (h128 measured 228 us per 16-row block).
+  The defaults are the fastest configurations of scripts/bench_mla.py's sweep on the H200 (b128 L4096; numbers
+  and commit in NOTES.md). fp8: the inline-PTX byte-plane decode ("ptx_planes": 3 instructions per pair of
+  elements, each tile decoded once) with 16-row blocks and 32-token chunks (64-token chunks spill and ran 1.3x
+  slower). Up to 32 rows (h16 Sq2) the same kernel runs two row blocks that share the cache through L2.
   More rows: 64-row blocks share each decoded tile, which needs 8 warps (at 4 a [64, 512] f32 accumulator is 256
-  registers a thread) and the column-order byte decode ("ptx_bytes", 4 accumulators): h128 1,663 us, the best of
-  the fp8 h128 sweep. bf16: 32-row blocks for many heads (64 spills), 32-token chunks.
+  registers a thread) and the column-order byte decode ("ptx_bytes", 4 accumulators). bf16: 32-row blocks for
+  many heads (64 spills), 32-token chunks.
   """
   fp8 = cache_dtype == "fp8_e4m3"
   many_fp8 = fp8 and rows > 32

@@ -54,20 +54,6 @@ def copy_ceiling_gbps(nbytes=2 << 30) -> float:
   return 2 * nbytes / time_calls(f, [(x,) for x in xs], min_batch_s=0.2) / 1e9
 
 
-def random_weight(key, lead: tuple, k: int, n: int, group: int, gate_up: bool = False) -> layout.W4A16Weight:
-  """Random packed weights made on the device (any int32 is a valid word of 8 nibbles)."""
-  n_pad = layout.padded_n(n) * (2 if gate_up else 1)
-  k_pad = layout.padded_k(k)
-  kp, ks, kz = jax.random.split(key, 3)
-  packed = jax.random.bits(kp, (*lead, k_pad // layout.NIBBLES, n_pad), jnp.uint32)
-  packed = jax.lax.bitcast_convert_type(packed, jnp.int32)
-  scales = (jax.random.uniform(ks, (*lead, k_pad // group, n_pad), jnp.float32, 0.5, 1.5)
-            / (4.6 * np.sqrt(k))).astype(jnp.float16)
-  zeros = jax.random.randint(kz, (*lead, k_pad // group, n_pad), 0, 16, jnp.int32).astype(jnp.uint8)
-  return layout.W4A16Weight(packed=packed, scales=scales, zeros=zeros, k=k, n=(n_pad if gate_up else n),
-                            group_size=group)
-
-
 def rel_err(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -77,17 +63,10 @@ def expert_bytes(w: layout.W4A16Weight) -> int:
   return w.nbytes() // w.lead_shape[0]
 
 
-def random_routing(key, t: int, e: int, k: int):
-  """Uniform random top-k (distinct experts per token) and weights."""
-  ks, kw = jax.random.split(key)
-  ids = jnp.argsort(jax.random.uniform(ks, (t, e)), axis=1)[:, :k].astype(jnp.int32)
-  return ids, jax.random.uniform(kw, (t, k), jnp.float32, 0.05, 0.3)
-
-
 def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
   key = jax.random.key(0)
   for (k, n) in DENSE_SHAPES[:2] if quick else DENSE_SHAPES:
-    w = random_weight(key, (), k, n, 64)
+    w = layout.random_weight(key, (), k, n, 64)
     wb = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.01
     for m in ms:
       xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(2)]
@@ -108,13 +87,13 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
 def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
   e, d, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
   for g in groups:
-    w13 = random_weight(jax.random.key(1), (e,), d, i, g, gate_up=True)
-    w2 = random_weight(jax.random.key(2), (e,), i, d, g)
+    w13 = layout.random_weight(jax.random.key(1), (e,), d, i, g, gate_up=True)
+    w2 = layout.random_weight(jax.random.key(2), (e,), i, d, g)
     per_expert = expert_bytes(w13) + expert_bytes(w2)
     for t in ts:
       sets = []
       for s in range(2):
-        ids, wts = random_routing(jax.random.key(100 + s), t, e, k)
+        ids, wts = routing.uniform_random(jax.random.key(100 + s), t, e, k)
         sets.append((jax.random.normal(jax.random.key(200 + s), (t, d), jnp.bfloat16), ids, wts))
       f_tri = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="triton",
                                                                   config=config))

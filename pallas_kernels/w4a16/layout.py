@@ -142,3 +142,17 @@ def dequantize(w: W4A16Weight, dtype=jnp.float32) -> jax.Array:
   qg = q.astype(jnp.float32).reshape(*lead, k // g, g, n)
   out = (qg - z.astype(jnp.float32)[..., :, None, :]) * s.astype(jnp.float32)[..., :, None, :]
   return out.reshape(*lead, k, n).astype(dtype)
+
+
+def random_weight(key, lead: tuple, k: int, n: int, group: int, gate_up: bool = False) -> W4A16Weight:
+  """Random packed weights made on the device (any int32 is a valid word of 8 nibbles); benchmarks and profiling."""
+  n_pad = padded_n(n) * (2 if gate_up else 1)
+  k_pad = padded_k(k)
+  kp, ks, kz = jax.random.split(key, 3)
+  packed = jax.random.bits(kp, (*lead, k_pad // NIBBLES, n_pad), jnp.uint32)
+  packed = jax.lax.bitcast_convert_type(packed, jnp.int32)
+  scales = (jax.random.uniform(ks, (*lead, k_pad // group, n_pad), jnp.float32, 0.5, 1.5)
+            / (4.6 * np.sqrt(k))).astype(jnp.float16)
+  zeros = jax.random.randint(kz, (*lead, k_pad // group, n_pad), 0, 16, jnp.int32).astype(jnp.uint8)
+  return W4A16Weight(packed=packed, scales=scales, zeros=zeros, k=k, n=(n_pad if gate_up else n),
+                            group_size=group)

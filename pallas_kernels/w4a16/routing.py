@@ -84,3 +84,10 @@ def combine(rows: jax.Array, routing: Routing) -> jax.Array:
   got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
   got = jnp.where((pr >= 0)[..., None], got.astype(jnp.float32), 0.0)   # dropped pairs: never read a row
   return got.sum(axis=1)
+
+
+def uniform_random(key, t: int, e: int, k: int):
+  """Uniform random top-k (distinct experts per token) and weights."""
+  ks, kw = jax.random.split(key)
+  ids = jnp.argsort(jax.random.uniform(ks, (t, e)), axis=1)[:, :k].astype(jnp.int32)
+  return ids, jax.random.uniform(kw, (t, k), jnp.float32, 0.05, 0.3)

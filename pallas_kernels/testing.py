@@ -7,6 +7,9 @@ imports this module.
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,3 +87,29 @@ def compare(out, lse, ref_out, ref_lse) -> dict:
   res["ok"] = (res["out_nan"] == 0 and res["out_tol_violations"] == 0 and cos_diff < 5e-6 and res["lse_nan"] == 0
                and res["lse_tol_violations"] == 0 and res["lse_inf_match"])
   return res
+
+
+def time_calls(fn, arg_sets, *, min_batch_s=0.05, batches=5, max_calls=2000) -> float:
+  """Median seconds per call: batches of back-to-back async calls, rotating over arg_sets, synced at the end."""
+  jax.block_until_ready(fn(*arg_sets[0]))              # compile + warm up
+  jax.block_until_ready(fn(*arg_sets[-1]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  one = max(time.perf_counter() - t0, 1e-6)
+  n = max(len(arg_sets), min(max_calls, int(min_batch_s / one)))
+  samples = []
+  for _ in range(batches):
+    out = None
+    t0 = time.perf_counter()
+    for i in range(n):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / n)
+  return statistics.median(samples)
+
+
+def copy_ceiling_gbps(nbytes=2 << 30) -> float:
+  """Device copy bandwidth: y = x + 1 on a 2 GiB int32 buffer counts 2 * nbytes moved."""
+  xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]
+  f = jax.jit(lambda x: x + 1)
+  return 2 * nbytes / time_calls(f, [(x,) for x in xs], min_batch_s=0.2) / 1e9

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -31,37 +30,10 @@ from pallas_kernels import MLAKVCache, available_backends, mla_decode
 from pallas_kernels.mla_decode import triton as triton_backend
 from pallas_kernels.mla_decode.cache import cache_bytes_per_token, quantize_fp8
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
+from pallas_kernels.testing import copy_ceiling_gbps, time_calls
 
 PAGE = 64
 FLOPS_PER_QK_TOKEN = 2 * (576 + 512)
-
-
-# ---- timing --------------------------------------------------------------------------------------------------
-def time_calls(fn, arg_sets, *, min_batch_s=0.05, batches=5) -> float:
-  """Median seconds per call: batches of back-to-back async calls, rotating over arg_sets, synced at the end."""
-  jax.block_until_ready(fn(*arg_sets[0]))              # compile + warm up
-  jax.block_until_ready(fn(*arg_sets[-1]))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[0]))
-  one = max(time.perf_counter() - t0, 1e-6)
-  n = max(len(arg_sets), min(2000, int(min_batch_s / one)))
-  samples = []
-  for _ in range(batches):
-    out = None
-    t0 = time.perf_counter()
-    for i in range(n):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / n)
-  return statistics.median(samples)
-
-
-def copy_ceiling_gbps(nbytes=2 << 30) -> float:
-  """Device copy bandwidth: y = x + 1 on a 2 GiB int32 buffer counts 2 * nbytes moved."""
-  xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]
-  f = jax.jit(lambda x: x + 1)
-  t = time_calls(f, [(x,) for x in xs], min_batch_s=0.2)
-  return 2 * nbytes / t / 1e9
 
 
 # ---- problems ------------------------------------------------------------------------------------------------

@@ -15,43 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.testing import copy_ceiling_gbps, time_calls
 from pallas_kernels.w4a16 import api, layout, routing
 
 DENSE_SHAPES = ((7168, 18432), (18432, 7168), (7168, 24576), (16384, 7168))
 MOE = dict(experts=256, hidden=7168, inter=2048, top_k=8)
-
-
-def time_calls(fn, arg_sets, *, min_batch_s=0.05, batches=5) -> float:
-  """Median seconds per call: batches of back-to-back async calls, rotating over arg_sets, synced at the end."""
-  jax.block_until_ready(fn(*arg_sets[0]))
-  jax.block_until_ready(fn(*arg_sets[-1]))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[0]))
-  one = max(time.perf_counter() - t0, 1e-6)
-  n = max(len(arg_sets), min(500, int(min_batch_s / one)))
-  samples = []
-  for _ in range(batches):
-    out = None
-    t0 = time.perf_counter()
-    for i in range(n):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / n)
-  return statistics.median(samples)
-
-
-def copy_ceiling_gbps(nbytes=2 << 30) -> float:
-  xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]
-  f = jax.jit(lambda x: x + 1)
-  return 2 * nbytes / time_calls(f, [(x,) for x in xs], min_batch_s=0.2) / 1e9
 
 
 def rel_err(a, b) -> float:
@@ -74,9 +48,9 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
       f_xla = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="xla"))
       f_bf16 = jax.jit(lambda x, w: x @ w)
       err = rel_err(f_tri(xs[0], w), f_xla(xs[0], w)) if check else None
-      t_tri = time_calls(f_tri, [(x, w) for x in xs])
-      t_xla = time_calls(f_xla, [(x, w) for x in xs])
-      t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs])
+      t_tri = time_calls(f_tri, [(x, w) for x in xs], max_calls=500)
+      t_xla = time_calls(f_xla, [(x, w) for x in xs], max_calls=500)
+      t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs], max_calls=500)
       nbytes = w.nbytes() + 2 * m * (k + n)
       rows.append(dict(op="dense", k=k, n=n, m=m, group=64, us=t_tri * 1e6, xla_us=t_xla * 1e6,
                        bf16_dot_us=t_bf16 * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
@@ -101,11 +75,11 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
       if t in check_ts:
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
         err = rel_err(f_tri(*sets[0], w13, w2), f_xla(*sets[0], w13, w2))
-      t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets])
+      t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets], max_calls=500)
       t_xla = None
       if t in xla_ts:
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
-        t_xla = time_calls(f_xla, [(*s, w13, w2) for s in sets], min_batch_s=0.01, batches=3)
+        t_xla = time_calls(f_xla, [(*s, w13, w2) for s in sets], min_batch_s=0.01, batches=3, max_calls=500)
       used = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
       nbytes = used * per_expert + 2 * t * d * 2
       rows.append(dict(op="moe", t=t, group=g, experts_used=used, us=t_tri * 1e6,

@@ -1,6 +1,7 @@
 """One full-width DeepSeek-V3 MoE decoder layer with random AWQ int4 weights built on the GPU: resident bytes vs
 the formula (mla_jax.quant.awq.layer_resident_bytes), decode-step time for T = 1/16/64 tokens through the layer's
-projections + MoE, and per-linear int4 vs bf16 timings (does XLA fuse the int4 dequantization into the GEMM?).
+projections + MoE with the AWQ layers on each w4a16 backend (the Triton kernels and the XLA reference), and
+per-linear timings of w4a16_matmul against the XLA reference and a bf16 dot.
 
   python scripts/bench_awq_layer.py --group-size 64 --out bench/results/awq_layer_h200.json [--commit SHA]
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from flax import nnx
 
 from mla_jax.config import ModelConfig, deepseek_v3_hf_config
 from mla_jax.model.transformer import DecoderLayer
+import pallas_kernels
 from mla_jax.quant import awq
 
 HBM_GBPS = 4268.0  # H200 device-to-device copy measured in docs/architecture.md §11
@@ -67,33 +68,9 @@ def time_fn(fn, *args, iters: int = 20, reps: int = 5) -> dict:
             "us_spread": max(means) - min(means)}
 
 
-def materialized_weight(hlo: str, n_in: int, n_out: int) -> bool:
-    """True when the ENTRY computation of optimized HLO writes a bf16/f32 buffer with n_in·n_out elements (any
-    shape or layout, e.g. a transposed bf16[7168,256,64] for o_proj): the dequantized weight went through memory
-    instead of being fused into the GEMM."""
-    m = re.search(r"^ENTRY .*?^}", hlo, re.S | re.M)
-    entry = m.group(0) if m else hlo
-    for line in entry.splitlines():
-        r = re.search(r"=\s*(bf16|f32)\[([\d,]*)\]", line)
-        if r and "parameter(" not in line and r.group(2):
-            if int(np.prod([int(d) for d in r.group(2).split(",")])) == n_in * n_out:
-                return True
-    return False
-
-
-def packed_dequant(qp, zp, s, dtype):
-    """The checkpoint's int32 layout dequantized on the fly (variant for comparison)."""
-    shifts = jnp.asarray([4 * k for k in (0, 4, 1, 5, 2, 6, 3, 7)], jnp.int32)
-    unpack = lambda p: ((p[..., None] >> shifts) & 0xF).reshape(*p.shape[:-1], p.shape[-1] * 8)
-    q, z = unpack(qp).astype(jnp.float32), unpack(zp).astype(jnp.float32)
-    ng = z.shape[0]
-    w = (q.reshape(ng, -1, q.shape[-1]) - z[:, None]) * s.astype(jnp.float32)[:, None]
-    return w.reshape(q.shape).astype(dtype)
-
-
-def bench_linears(cfg, G: int, tokens: list[int], key, hlo_path: str) -> list[dict]:
+def bench_linears(cfg, G: int, tokens: list[int], key, backends: list[str]) -> list[dict]:
+    """w4a16_matmul (Triton kernel) vs the XLA dequantize-and-dot reference vs a bf16 dot, per linear and T."""
     rows = []
-    hlo_file = open(hlo_path, "w")
     H, D = cfg.num_attention_heads, cfg.hidden_size
     shapes = {"q_b_proj": (cfg.q_lora_rank, H * cfg.qk_head_dim), "o_proj": (H * cfg.v_head_dim, D),
               "expert_gate": (D, cfg.moe_intermediate_size),
@@ -101,42 +78,26 @@ def bench_linears(cfg, G: int, tokens: list[int], key, hlo_path: str) -> list[di
     quant = cfg.quantization
     for name, (n_in, n_out) in shapes.items():
         lin = nnx.jit(lambda: awq.AWQLinear(quant, n_in, n_out, dtype=jnp.bfloat16, rngs=nnx.Rngs(1)))()
-        q, z, s = lin.qweight[...], lin.qzeros[...], lin.scales[...]
+        w = lin.weight()
         w_bf16 = lin.dequantized_kernel()
-        # packed int32 copies of the same codes (for the shift-unpack variant)
-        to_u = lambda a: (a.astype(jnp.int32) + 8).reshape(*a.shape[:-1], a.shape[-1] // 8, 8)
-        slots = jnp.asarray([0, 4, 1, 5, 2, 6, 3, 7], jnp.int32)
-        pack = lambda a: jnp.sum(to_u(a) << (4 * slots), axis=-1).astype(jnp.uint32).view(jnp.int32)
-        qp, zp = jax.jit(pack)(q), jax.jit(pack)(z)
-        np.testing.assert_array_equal(np.asarray(packed_dequant(qp, zp, s, jnp.float32)),
-                                      np.asarray(lin.dequantized_kernel(jnp.float32)))
         awq_bytes = awq.linear_resident_bytes(n_in, n_out, G)
         for T in tokens:
             x = jax.random.normal(jax.random.fold_in(key, T), (T, n_in), jnp.bfloat16)
-            f_int4 = jax.jit(lambda x, q, z, s: jnp.dot(x, awq.dequantize(q, z, s, jnp.bfloat16),
-                                                        preferred_element_type=jnp.float32).astype(x.dtype))
-            f_pack = jax.jit(lambda x, q, z, s: jnp.dot(x, packed_dequant(q, z, s, jnp.bfloat16),
-                                                        preferred_element_type=jnp.float32).astype(x.dtype))
             f_bf16 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
             y_ref = np.asarray(f_bf16(x, w_bf16), np.float32)
-            for variant, fn, args, nbytes in (("int4", f_int4, (x, q, z, s), awq_bytes),
-                                              ("int32_packed", f_pack, (x, qp, zp, s), awq_bytes),
-                                              ("bf16", f_bf16, (x, w_bf16), 2 * n_in * n_out)):
-                compiled = fn.lower(*args).compile()
-                y = np.asarray(compiled(*args), np.float32)
+            variants = [(b, jax.jit(lambda x, w, b=b: pallas_kernels.w4a16_matmul(x, w, backend=b)), (x, w),
+                         awq_bytes) for b in backends]
+            variants.append(("bf16", f_bf16, (x, w_bf16), 2 * n_in * n_out))
+            for variant, fn, fargs, nbytes in variants:
+                compiled = fn.lower(*fargs).compile()
+                y = np.asarray(compiled(*fargs), np.float32)
                 err = float(np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref))
-                hlo = compiled.as_text()
-                if variant == "int4" or (variant == "int32_packed" and T == tokens[0]):
-                    hlo_file.write(f"\n\n######## {name} [{n_in},{n_out}] T={T} {variant}\n{hlo}")
-                t = time_fn(compiled, *args)
-                mat = None if variant == "bf16" else materialized_weight(hlo, n_in, n_out)
+                t = time_fn(compiled, *fargs)
                 rows.append(dict(linear=name, shape=[n_in, n_out], T=T, variant=variant, rel_err_vs_bf16=err,
-                                 weight_bytes=nbytes, gbps=nbytes / t["us"] / 1e3,
-                                 materialized_bf16_weight=mat, **t))
-                print(f"  {name:12s} T={T:3d} {variant:13s} {t['us']:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
-                      f"W materialized={rows[-1]['materialized_bf16_weight']}  err={err:.1e}", flush=True)
-        del lin, q, z, s, w_bf16, qp, zp
-    hlo_file.close()
+                                 weight_bytes=nbytes, gbps=nbytes / t["us"] / 1e3, **t))
+                print(f"  {name:12s} T={T:3d} {variant:7s} {t['us']:9.1f} us  {rows[-1]['gbps']:7.0f} GB/s  "
+                      f"err={err:.1e}", flush=True)
+        del lin, w, w_bf16
     return rows
 
 
@@ -144,14 +105,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--tokens", default="1,16,64")
-    ap.add_argument("--tiles-per-step", default="8,16", help="AWQExperts tiles_per_step values to time")
+    ap.add_argument("--backends", default="triton,xla", help="w4a16 backends of the AWQ layers to time")
     ap.add_argument("--out", default="bench/results/awq_layer.json")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--skip-linears", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a scaled-down layer (CPU check of the script only)")
     args = ap.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
-    tps_values = [int(t) for t in args.tiles_per_step.split(",")]
+    backends = args.backends.split(",")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
 
@@ -183,7 +144,7 @@ def main(argv=None) -> int:
     for path, v in nnx.to_flat_state(nnx.state(layer)):
         a = v.get_value()
         kind = str(a.dtype)
-        held[kind] = held.get(kind, 0) + (a.size // 2 if a.dtype == jnp.int4 else a.size * a.dtype.itemsize)
+        held[kind] = held.get(kind, 0) + a.size * a.dtype.itemsize
     memory = dict(measured_bytes=resident, formula=formula, logical_bytes_by_dtype=held, build_s=build_s,
                   measured_over_formula=resident / formula["total"])
     print(f"resident: measured {resident:,} B, formula {formula['total']:,} B "
@@ -204,8 +165,8 @@ def main(argv=None) -> int:
     attn = layer.self_attn
     w_uk, w_uv = jax.jit(lambda s: nnx.merge(nnx.graphdef(attn), s).absorbed_weights())(nnx.state(attn))
     key = jax.random.key(0)
-    for tps in tps_values:
-        layer.mlp.experts.tiles_per_step = tps
+    for backend in backends:
+        awq.configure_w4a16(layer, backend=backend)
         graphdef, state = nnx.split(layer)
 
         def decode_step(state, w_uk, w_uv, x, pos):
@@ -246,22 +207,28 @@ def main(argv=None) -> int:
             dense_bytes = formula["quantized"] - cfg.n_routed_experts * E_bytes
             floor_bytes = dense_bytes + uniq * E_bytes
             floor_us = floor_bytes / HBM_GBPS / 1e3
-            steps.append(dict(T=T, tiles_per_step=tps, unique_experts=uniq, temp_bytes=temp, finite=finite,
+            steps.append(dict(T=T, backend=backend, unique_experts=uniq, temp_bytes=temp, finite=finite,
                               min_bytes=floor_bytes, floor_us=floor_us, **t))
-            print(f"  step T={T:3d} tps={tps:2d}: {t['us']:9.1f} us (single {t['us_single']:.1f}), unique experts "
+            print(f"  step T={T:3d} {backend:6s}: {t['us']:9.1f} us (single {t['us_single']:.1f}), unique experts "
                   f"{uniq}, floor {floor_us:.0f} us, temp {temp / 2**20:.0f} MiB, finite={finite}", flush=True)
             ce = experts_fn.lower(state, h2, idx, wts).compile()
             te = time_fn(ce, state, h2, idx, wts, iters=10)
-            experts_rows.append(dict(T=T, tiles_per_step=tps, unique_experts=uniq,
+            # correctness of this backend's experts against the XLA reference on the same weights and routing
+            w13, w2 = layer.mlp.experts.weights()
+            ref = np.asarray(jax.jit(lambda x, i, w, a, b: pallas_kernels.w4a16_moe(x, i, w, a, b, backend="xla"))(
+                h2, idx, wts, w13, w2), np.float32)
+            got = np.asarray(ce(state, h2, idx, wts), np.float32)
+            te["rel_err_vs_xla"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            experts_rows.append(dict(T=T, backend=backend, unique_experts=uniq,
                                      temp_bytes=ce.memory_analysis().temp_size_in_bytes,
                                      floor_us=uniq * E_bytes / HBM_GBPS / 1e3, **te))
             dump()
-            print(f"    experts only: {te['us']:9.1f} us, floor {experts_rows[-1]['floor_us']:.0f} us, temp "
+            print(f"    experts only: {te['us']:9.1f} us (rel err vs xla {te['rel_err_vs_xla']:.1e}), floor "
+                  f"{experts_rows[-1]['floor_us']:.0f} us, temp "
                   f"{experts_rows[-1]['temp_bytes'] / 2**20:.0f} MiB", flush=True)
 
     if not args.skip_linears:
-        hlo_path = os.path.join(out_dir, os.path.splitext(os.path.basename(args.out))[0] + "_hlo.txt")
-        linears.extend(bench_linears(cfg, args.group_size, tokens, key, hlo_path))
+        linears.extend(bench_linears(cfg, args.group_size, tokens, key, backends))
     dump()
 
     print(f"\nAWQ DeepSeek-V3 MoE layer, G={args.group_size}, bf16 activations, {info['device']}, jax {info['jax']}, "
@@ -269,20 +236,20 @@ def main(argv=None) -> int:
     print(f"resident bytes: measured {resident:,} vs formula {formula['total']:,} "
           f"(quantized {formula['quantized']:,} + unquantized {formula['unquantized']:,}); "
           f"ratio {resident / formula['total']:.4f}")
-    print(f"{'T':>4} {'tps':>4} {'step us':>9} {'experts us':>11} {'floor us':>9} {'uniq E':>7} {'temp MiB':>9}")
+    print(f"{'T':>4} {'backend':>7} {'step us':>9} {'experts us':>11} {'floor us':>9} {'uniq E':>7} {'temp MiB':>9}")
     for s, e in zip(steps, experts_rows):
-        print(f"{s['T']:4d} {s['tiles_per_step']:4d} {s['us']:9.1f} {e['us']:11.1f} {s['floor_us']:9.1f} "
+        print(f"{s['T']:4d} {s['backend']:>7} {s['us']:9.1f} {e['us']:11.1f} {s['floor_us']:9.1f} "
               f"{s['unique_experts']:7d} {s['temp_bytes'] / 2**20:9.0f}")
     if linears:
-        print(f"{'linear':12s} {'T':>3} " + " ".join(f"{v:>20s}" for v in ("int4 us (W mat?)", "int32 us (W mat?)",
-                                                                            "bf16 us")))
+        cols = backends + ["bf16"]
+        print(f"{'linear':12s} {'T':>3} " + " ".join(f"{c + ' us':>10}" for c in cols)
+              + f" {cols[0] + ' GB/s':>12}")
         by = {}
         for r in linears:
             by.setdefault((r["linear"], r["T"]), {})[r["variant"]] = r
         for (name, T), v in by.items():
-            cell = lambda r: f"{r['us']:9.1f} ({'y' if r['materialized_bf16_weight'] else 'n'})"  # noqa: E731
-            print(f"{name:12s} {T:3d} {cell(v['int4']):>20s} {cell(v['int32_packed']):>20s} "
-                  f"{v['bf16']['us']:20.1f}")
+            print(f"{name:12s} {T:3d} " + " ".join(f"{v[c]['us']:10.1f}" for c in cols)
+                  + f" {v[cols[0]]['gbps']:12.0f}")
     print(f"wrote {args.out}")
     return 0
 

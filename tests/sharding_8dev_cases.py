@@ -280,17 +280,18 @@ def test_awq_checkpoints_load_sharded_tp4(awq_fixture, which):
     pl = ShardingPlan.create(cfg, 4, False)
     model, _ = load_sharded(path, pl, dtype="float32")
     ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))
-    n_int4 = 0
+    n_packed = 0
     for path_, v in nnx.to_flat_state(nnx.state(model)):
         arr = v.get_value()
         assert arr.sharding.spec == pl.param_spec(sharding.path_str(path_), arr.shape), path_
         want = ref_flat[path_].get_value()
         assert arr.dtype == want.dtype, path_
-        n_int4 += arr.dtype == jnp.int4
+        n_packed += str(path_[-1]).endswith("packed") and arr.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(arr.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    assert n_int4 > 10
-    q_b = model.layers[0].self_attn.q_b_proj.qweight[...]
-    assert shard_shapes(q_b) == {(32, 8 * 80 // 4)}                   # 2 of the 8 heads per device
+    assert n_packed > 10
+    q_b = model.layers[0].self_attn.q_b_proj.packed[...]
+    # [K_pad/8 words = 256/8, N = 8 heads x 80], 2 of the 8 heads per device
+    assert shard_shapes(q_b) == {(32, 8 * 80 // 4)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,17 +367,19 @@ def test_llm_dp_attention_rejects_sizes_it_cannot_split():
         make_llm(tensor_parallel_size=3)
 
 
-def test_awq_experts_tiles_leave_out_out_of_range_expert_indices():
+def test_awq_experts_routing_leaves_out_out_of_range_expert_indices():
     """The expert-parallel island gives AWQExperts the index E for pairs of other devices (that they then add
-    nothing is test_expert_parallel_matches_one_device[awq]): they must land in no tile, i.e. cost nothing."""
-    from mla_jax.quant.awq import route_tiles
+    nothing is test_expert_parallel_matches_one_device[awq]): w4a16_moe's routing must give them no row and no
+    block, i.e. they cost nothing."""
+    from pallas_kernels.w4a16 import routing
     E = 4
     idx = jnp.array([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], jnp.int32)
     w = jnp.ones(idx.shape, jnp.float32)
     drop = jnp.array([[False, True], [True, True], [False, False], [True, False], [False, True], [False, False]])
-    tiles = jax.jit(route_tiles, static_argnums=(2, 3, 4))
-    *_, valid, n_used = tiles(jnp.where(drop, E, idx), w, E, 2, 16)
-    # 7 kept pairs, per expert 3, 2, 1, 1, in tiles of 2 rows: 2 + 1 + 1 + 1 tiles
-    assert int(n_used) == 5 and int(valid.sum()) == int((~drop).sum()) == 7
-    *_, valid_all, n_all = tiles(idx, w, E, 2, 16)
-    assert int(n_all) == 8 and int(valid_all.sum()) == 12           # all 12 pairs: 3 per expert, 2 tiles each
+    align = jax.jit(routing.align, static_argnums=(2, 3))
+    rt = align(jnp.where(drop, E, idx), w, E, 2)
+    # 7 kept pairs, per expert 3, 2, 1, 1, in blocks of 2 rows: 2 + 1 + 1 + 1 blocks
+    assert int((rt.block_expert >= 0).sum()) == 5 and int((rt.row_token >= 0).sum()) == int((~drop).sum()) == 7
+    assert bool(((rt.pair_row < 0) == drop).all())
+    rt_all = align(idx, w, E, 2)
+    assert int((rt_all.block_expert >= 0).sum()) == 8 and int((rt_all.row_token >= 0).sum()) == 12

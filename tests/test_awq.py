@@ -19,6 +19,7 @@ from mla_jax.config import AWQConfig, ModelConfig
 from mla_jax.model.layers import Linear
 from mla_jax.model.moe import Experts
 from mla_jax.quant import awq, pack
+from pallas_kernels.w4a16 import layout
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 V3 = os.path.join(FIXTURES, "v3_yarn")
@@ -124,18 +125,20 @@ def _awq_linear(w: np.ndarray, group_size: int, dtype=jnp.float32) -> awq.AWQLin
     n_out, n_in = w.shape
     layer = nnx.eval_shape(lambda: awq.AWQLinear(AWQConfig(group_size=group_size), n_in, n_out, dtype=dtype))
     t = pack.pack_linear(w, group_size)
-    q, z, s = awq.checkpoint_to_params(t["qweight"], t["qzeros"], t["scales"])
-    layer.qweight.set_value(jnp.asarray(q))
-    layer.qzeros.set_value(jnp.asarray(z))
-    layer.scales.set_value(jnp.asarray(s))
+    packed = awq.checkpoint_to_weight(t["qweight"], t["qzeros"], t["scales"], group_size)
+    layer.packed.set_value(jnp.asarray(packed.packed))
+    layer.zeros.set_value(jnp.asarray(packed.zeros))
+    layer.scales.set_value(jnp.asarray(packed.scales))
     return layer, pack.dequantize_packed(t["qweight"], t["qzeros"], t["scales"], group_size)
 
 
 def test_random_init_is_valid_awq():
-    # The init (used by benchmarks that build layers on the device) gives int4 codes, zeros near 8 and scales
-    # that make std(W) about 1/sqrt(in).
+    # The init (used by benchmarks that build layers on the device) gives 4-bit codes, zeros near 8 and scales
+    # that make std(W) about 1/sqrt(in), in the packed layout.
     layer = awq.AWQLinear(AWQConfig(group_size=64), 256, 64, rngs=nnx.Rngs(0))
-    assert layer.qweight.dtype == jnp.int4 and layer.scales.dtype == jnp.float16
+    assert layer.packed.dtype == jnp.int32 and layer.scales.dtype == jnp.float16 and layer.zeros.dtype == jnp.uint8
+    z = np.asarray(layer.zeros[...])
+    assert 6 <= z.min() and z.max() <= 9
     w = np.asarray(layer.dequantized_kernel())
     assert 0.5 < w.std() * np.sqrt(256) < 2.0
 
@@ -144,9 +147,10 @@ def test_awq_linear_matches_dequantized_matmul():
     rng = np.random.default_rng(2)
     w = rng.normal(0, 0.1, (40, 96)).astype(np.float32)
     layer, W = _awq_linear(w, 32)
-    assert layer.qweight.shape == (96, 40) and layer.qweight.dtype == jnp.int4
-    assert layer.qzeros.shape == (3, 40) and layer.qzeros.dtype == jnp.int4
-    assert layer.scales.dtype == jnp.float16
+    # K = 96 padded to one 256-row chunk (32 words), N = 40 padded to 64 columns
+    assert layer.packed.shape == (32, 64) and layer.packed.dtype == jnp.int32
+    assert layer.zeros.shape == (8, 64) and layer.zeros.dtype == jnp.uint8
+    assert layer.scales.shape == (8, 64) and layer.scales.dtype == jnp.float16
     x = rng.normal(size=(2, 5, 96)).astype(np.float32)
     y = layer(jnp.asarray(x))
     assert y.shape == (2, 5, 40) and y.dtype == jnp.float32
@@ -159,34 +163,34 @@ def test_awq_linear_matches_dequantized_matmul():
     assert rel_err(y16.astype(jnp.float32), x @ W) < 1e-2
 
 
-def _experts_pair(E, D, I, G, dtype=jnp.float32, tiles_per_step=8, seed=0):
-    """AWQExperts with random int4 params (built abstractly, filled from numpy: no per-op compiles) and the
+def _experts_pair(E, D, I, G, dtype=jnp.float32, seed=0):
+    """AWQExperts with random 4-bit params (built abstractly, filled from numpy: no per-op compiles) and the
     model's dense Experts holding the same weights dequantized in numpy."""
     rng = np.random.default_rng(seed)
-    ex = nnx.eval_shape(lambda: awq.AWQExperts(AWQConfig(group_size=G), E, D, I, dtype=dtype,
-                                               tiles_per_step=tiles_per_step))
+    ex = nnx.eval_shape(lambda: awq.AWQExperts(AWQConfig(group_size=G), E, D, I, dtype=dtype))
     dense = nnx.eval_shape(lambda: Experts(E, D, I, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    qzs = {}
     for name, (n_in, n_out) in (("gate", (D, I)), ("up", (D, I)), ("down", (I, D))):
-        q = rng.integers(-8, 8, (E, n_in, n_out))
-        z = rng.integers(-3, 3, (E, n_in // G, n_out))
+        q = rng.integers(0, 16, (E, n_in, n_out))
+        z = rng.integers(5, 11, (E, n_in // G, n_out))
         s = (rng.uniform(0.5, 1.5, (E, n_in // G, n_out)) / (4.6 * np.sqrt(n_in))).astype(np.float16)
-        getattr(ex, f"w_{name}_qweight").set_value(jnp.asarray(q.astype(jnp.int4)))
-        getattr(ex, f"w_{name}_qzeros").set_value(jnp.asarray(z.astype(jnp.int4)))
-        getattr(ex, f"w_{name}_scales").set_value(jnp.asarray(s))
+        qzs[name] = (q, z, s)
         w = (q - np.repeat(z, G, axis=1)) * np.repeat(s.astype(np.float32), G, axis=1)
         getattr(dense, f"w_{name}").set_value(jnp.asarray(w.astype(np.float32)))
+    w13 = layout.pack_gate_up(qzs["gate"], qzs["up"], G, xp=np)
+    w2 = layout.pack(*qzs["down"], G, xp=np)
+    for name, w in (("w13", w13), ("w2", w2)):
+        for leaf in ("packed", "scales", "zeros"):
+            getattr(ex, f"{name}_{leaf}").set_value(jnp.asarray(getattr(w, leaf)))
     return ex, dense
 
 
-@pytest.mark.parametrize("T,tiles_per_step,skew", [(0, 8, False), (1, 8, False), (3, 1, False), (5, 3, False),
-                                                   (37, 2, True)])
-def test_awq_experts_match_dense_experts(T, tiles_per_step, skew):
+@pytest.mark.parametrize("T,skew", [(0, False), (1, False), (3, False), (5, False), (37, True)])
+def test_awq_experts_match_dense_experts(T, skew):
     E, D, I, K = 16, 32, 16, 2
-    ex, dense = _experts_pair(E, D, I, 16, tiles_per_step=tiles_per_step)
+    ex, dense = _experts_pair(E, D, I, 16)
     rng = np.random.default_rng(T)
-    idx = distinct_topk(rng, T, K, E, always=2 if skew else None)
-    if skew:  # every token picks expert 2: one expert with more rows than a tile holds
-        assert awq.tile_plan(T, K, E, tiles_per_step)[0] < T
+    idx = distinct_topk(rng, T, K, E, always=2 if skew else None)   # skew: expert 2 gets more rows than a block
     w = rng.random((T, K)).astype(np.float32)
     x = rng.normal(size=(T, D)).astype(np.float32)
     got = call(ex, jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w))
@@ -194,6 +198,25 @@ def test_awq_experts_match_dense_experts(T, tiles_per_step, skew):
     assert got.shape == (T, D) and got.dtype == jnp.float32
     if T:
         assert rel_err(got, want) < 1e-6
+    # the stored weights are the dense ones, expert by expert
+    for e in (0, E - 1):
+        for a, b in zip(ex.dequantized_expert(e), (dense.w_gate[e], dense.w_up[e], dense.w_down[e])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_awq_experts_triton_interpret_matches_xla():
+    # The model's expert module through the Pallas Triton kernel (interpret mode) and through the XLA reference.
+    E, D, I, K, T = 8, 64, 64, 2, 11
+    ex, _ = _experts_pair(E, D, I, 32, dtype=jnp.bfloat16, seed=3)
+    rng = np.random.default_rng(11)
+    idx = jnp.asarray(distinct_topk(rng, T, K, E))
+    w = jnp.asarray(rng.random((T, K)).astype(np.float32))
+    x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32)).astype(jnp.bfloat16)
+    ref = call(ex, x, idx, w)
+    awq.configure_w4a16(ex, backend="triton", interpret=True)
+    got = call(ex, x, idx, w)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2
 
 
 def test_awq_experts_bf16_jit():
@@ -208,33 +231,16 @@ def test_awq_experts_bf16_jit():
     assert rel_err(got.astype(jnp.float32), call(dense, x, idx, w)) < 2e-2
 
 
-def test_route_tiles_cover_every_pair_once():
-    rng = np.random.default_rng(5)
-    for T, K, E, B in [(1, 8, 256, 8), (64, 8, 256, 4), (50, 4, 8, 3)]:
-        idx = distinct_topk(rng, T, K, E, always=3 if T == 50 else None)
-        w = rng.random((T, K)).astype(np.float32)
-        C, n_tiles = awq.tile_plan(T, K, E, B)
-        assert 1 <= C <= T and n_tiles % min(B, n_tiles) == 0
-        expert, token, weight, valid, n_used = map(np.asarray, jax.jit(awq.route_tiles, static_argnums=(2, 3, 4))(
-            jnp.asarray(idx), jnp.asarray(w), E, C, n_tiles))
-        assert int(n_used) <= n_tiles and not valid[int(n_used):].any()
-        seen = sorted((int(token[j, c]), int(expert[j])) for j, c in zip(*np.nonzero(valid)))
-        assert seen == sorted((t, int(e)) for t in range(T) for e in idx[t])
-        for j, c in zip(*np.nonzero(valid)):
-            k = list(idx[token[j, c]]).index(expert[j])
-            assert weight[j, c] == w[token[j, c], k]
-        assert (weight[~valid] == 0).all()
-
-
 def test_resident_bytes_formula():
     d = json.load(open(os.path.join(V3, "config.json")))
     v3 = dict(d, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
               moe_intermediate_size=2048, n_shared_experts=1, n_group=8, topk_group=4, num_experts_per_tok=8)
     cfg = ModelConfig.from_hf_dict(v3)
-    assert awq.layer_resident_bytes(cfg, 128)["quantized"] == 5_977_432_832
-    assert awq.layer_resident_bytes(cfg, 64)["quantized"] == 6_202_148_352
-    # The formula counts exactly the AWQ params of a built layer (4 bits per int4 element, 2 bytes per scale).
+    # V3's dimensions need no padding: (attention + expert weights) x (1/2 + 3/G) bytes
+    assert awq.layer_resident_bytes(cfg, 128)["quantized"] == (187_105_280 + 11_318_329_344) * (64 + 3) // 128
+    assert awq.layer_resident_bytes(cfg, 64)["quantized"] == 6_292_034_560
+    # The formula counts exactly the AWQ params of a built layer (padding included).
     small = ModelConfig.from_hf_dict(dict(d, quantization_config={"quant_method": "awq", "bits": 4,
                                                                   "group_size": 8, "version": "gemm"}))
     from mla_jax.model.transformer import DecoderLayer
@@ -242,7 +248,7 @@ def test_resident_bytes_formula():
     held = 0
     for _, v in nnx.to_flat_state(nnx.state(layer, awq.QuantWeight)):
         a = v.get_value()
-        held += a.size // 2 if a.dtype == jnp.int4 else a.size * a.dtype.itemsize
+        held += a.size * a.dtype.itemsize
     assert held == awq.layer_resident_bytes(small)["quantized"]
 
 
@@ -306,7 +312,7 @@ def test_awq_model_logits_match_dequantized_model(awq_dirs, which):
     model, cfg = load_model(awq_dirs[which], "float32")
     assert cfg.quantization is not None and cfg.quantization.group_size == int(which[1:])
     attn = model.layers[1].self_attn
-    assert isinstance(attn.q_a_proj, awq.AWQLinear) and attn.q_a_proj.qweight.dtype == jnp.int4
+    assert isinstance(attn.q_a_proj, awq.AWQLinear) and attn.q_a_proj.packed.dtype == jnp.int32
     assert isinstance(model.layers[1].mlp.experts, awq.AWQExperts)
     assert isinstance(model.layers[1].mlp.shared_experts.down_proj, awq.AWQLinear)
     assert isinstance(model.layers[0].mlp.up_proj, awq.AWQLinear)

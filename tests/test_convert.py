@@ -54,7 +54,7 @@ def test_converted_equals_direct(dirs, kind, dtype):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     if kind == "awq":
         assert isinstance(conv.layers[1].mlp.experts, awq.AWQExperts)
-        assert b["layers.1.mlp.experts.w_down_qweight"].dtype == jnp.int4
+        assert b["layers.1.mlp.experts.w2_packed"].dtype == np.int32
     ids = jnp.asarray(np.load(os.path.join(V3, "golden.npz"))["input_ids"])
     np.testing.assert_array_equal(np.asarray(call(direct, ids)), np.asarray(call(conv, ids)))
 
@@ -69,7 +69,7 @@ def test_int4_nibble_storage_and_custom_put(dirs):
     import jax
     as_int4 = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.int4).reshape(a.shape)
     np.testing.assert_array_equal(np.asarray(as_int4), a)
-    # a caller's put sees host arrays in the model's layout (int4 unpacked), as with the HF loader
+    # a caller's put sees host arrays in the model's layout (the packed w4a16 layout), as with the HF loader
     seen = {}
 
     def put(path, arr):
@@ -77,7 +77,8 @@ def test_int4_nibble_storage_and_custom_put(dirs):
         return jnp.asarray(arr)
 
     model, _ = converted.load_converted(dirs["awq_conv"], "float32", put=put)
-    assert seen["layers.1.mlp.experts.w_up_qweight"] == jnp.int4
+    assert seen["layers.1.mlp.experts.w13_packed"] == np.int32
+    assert seen["layers.1.mlp.experts.w13_zeros"] == np.uint8
     ref, _ = mla_jax.load_model(dirs["awq_conv"], "float32")
     a, b = flat_params(model), flat_params(ref)
     for name in a:
@@ -95,11 +96,13 @@ def test_layout_and_manifest(dirs):
     m = json.load(open(os.path.join(d, "manifest.json")))
     assert m["format"] == "mla_jax.converted" and m["storage_dtype"] == "float32" and m["quantization"]
     assert sorted(os.listdir(os.path.join(d, "weights"))) == ["layers.0", "layers.1", "layers.2", "model"]
-    e = m["tensors"]["layers.1.self_attn.q_a_proj.qweight"]
-    assert e["shape"] == [32, 24] and e["dtype"] == "int4" and e["group"] == "layers.1"
-    assert e["stored_as"] == converted.INT4_NIBBLES
+    assert m["version"] == converted.VERSION == 2
+    # q_a_proj [in 32, out 24]: K padded to one 256-row chunk (32 words), N to 64 columns
+    e = m["tensors"]["layers.1.self_attn.q_a_proj.packed"]
+    assert e["shape"] == [32, 64] and e["dtype"] == "int32" and e["group"] == "layers.1" and "stored_as" not in e
     assert m["tensors"]["layers.1.mlp.gate.kernel"]["dtype"] == "float32"
-    assert m["tensors"]["layers.1.mlp.experts.w_gate_scales"]["shape"] == [8, 4, 16]
+    # 8 experts, gate|up [D 32 -> 2 x 16 columns, each half padded to 64], 256/8 groups of 8 rows
+    assert m["tensors"]["layers.1.mlp.experts.w13_scales"]["shape"] == [8, 32, 128]
     # no temporary directories left next to the output
     assert not [p for p in os.listdir(dirs["root"]) if ".tmp-" in p]
 

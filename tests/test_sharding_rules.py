@@ -89,11 +89,12 @@ def test_absorbed_weights_split_by_head_in_tp_only():
 
 
 def test_awq_params_follow_their_linear():
-    # AWQLinear: qweight int4 [in, out], qzeros/scales [in/G, out]; AWQExperts: w_gate_qweight [E, in, out] ...
-    assert sharding.spec_for("layers/0/self_attn/q_b_proj/qweight", (1536, 128 * 192), 8, False) == P(None, AXIS)
+    # AWQLinear: packed int32 [K_pad/8, N_pad], zeros/scales [K_pad/G, N_pad]; AWQExperts: w13_packed [E, ...] ...
+    assert sharding.spec_for("layers/0/self_attn/q_b_proj/packed", (192, 128 * 192), 8, False) == P(None, AXIS)
     assert sharding.spec_for("layers/0/self_attn/o_proj/scales", (128, 7168), 8, False) == P(AXIS)
-    assert sharding.spec_for("layers/0/self_attn/o_proj/qzeros", (128, 7168), 8, False) == P(AXIS)
-    assert sharding.spec_for("layers/3/mlp/experts/w_down_scales", (256, 16, 7168), 8, False) == P(AXIS)
+    assert sharding.spec_for("layers/0/self_attn/o_proj/zeros", (128, 7168), 8, False) == P(AXIS)
+    assert sharding.spec_for("layers/3/mlp/experts/w2_scales", (256, 16, 7168), 8, False) == P(AXIS)
+    assert sharding.spec_for("layers/3/mlp/experts/w13_packed", (256, 896, 4096), 8, True) == P(AXIS)
     # o_proj with 12 quantization groups cannot be cut into 8 row blocks: the error names the tensor.
     with pytest.raises(ValueError, match=r"o_proj/scales.*quantization groups.*12"):
         sharding.spec_for("layers/0/self_attn/o_proj/scales", (12, 7168), 8, False)
@@ -154,7 +155,7 @@ def test_bytes_per_device_counts_shards():
 def test_hf_slices_for_transposed_and_packed_tensors():
     # kernel [in=8, out=12] from HF [out, in]: our columns 6:12 are HF rows 6:12
     assert hf._hf_index((slice(0, 8), slice(6, 12)), (8, 12), (12, 8), True) == (slice(6, 12), slice(0, 8))
-    # AWQ qweight int4 [in, out=64] from int32 [in, out/8=8]: columns 32:64 are packed columns 4:8
+    # a packed axis, our [in, out=64] from int32 [in, out/8=8]: columns 32:64 are packed columns 4:8
     assert hf._hf_index((slice(None), slice(32, 64)), (16, 64), (16, 8), False) == (slice(0, 16), slice(4, 8))
     # a slice that cuts inside a packed int32 cannot be read alone: read the whole tensor
     assert hf._hf_index((slice(None), slice(4, 64)), (16, 64), (16, 8), False) is None

@@ -59,7 +59,7 @@ def test_pack_rejects_bad_input():
   with pytest.raises(ValueError, match="outside 0..15"):
     layout.pack(q + 1, z, s, 64, xp=np)
   with pytest.raises(ValueError, match="group size 48"):
-    layout.pack(q, z, s, 48, xp=np)
+    layout.pack(q, z, s, 48, xp=np)       # does not divide the 256-row chunk
   with pytest.raises(ValueError, match="zeros and scales"):
     layout.pack(q, z[:1], s, 64, xp=np)
 
@@ -85,6 +85,7 @@ def test_matmul_split_k_matches_unsplit():
   w = to_device(layout.pack(q, z, s, 64, xp=np))
   x = jnp.asarray(rng.standard_normal((9, 1024)), jnp.bfloat16)
   ys = [api.w4a16_matmul(x, w, backend="triton", interpret=True, config=dict(splits=sp)) for sp in (1, 2, 4)]
+  ys.append(api.w4a16_matmul(x, w, backend="triton", interpret=True, config=dict(splits=2, lazy=True)))
   ref = np.asarray(x, np.float64) @ deq64(q, z, s, 64)
   for y in ys:
     assert max_rel(y, ref) < 1e-2
@@ -188,6 +189,11 @@ def test_backend_rules(caplog):
     assert api.resolve_backend("auto", jnp.bfloat16)[0] == "xla"
   assert api.resolve_backend("auto", jnp.float32)[0] == "xla"
   assert api.resolve_backend("auto", jnp.bfloat16, interpret=True)[0] == "triton"
+  # group sizes the kernels are not built for (the layout holds them): auto takes xla and says why
+  name, reason = api.resolve_backend("auto", jnp.bfloat16, interpret=True, group_size=16)
+  assert name == "xla" and "group size 16" in reason
+  with pytest.raises(ValueError, match="group sizes"):
+    api.resolve_backend("triton", jnp.bfloat16, interpret=True, group_size=16)
   api._logged.clear()
   rng = np.random.default_rng(2)
   w = to_device(layout.pack(*rand_awq(rng, 128, 64, 64), 64, xp=np))

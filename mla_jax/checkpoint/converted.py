@@ -2,19 +2,19 @@
 
     DST/
       config.json, tokenizer files, ...   copied from the HF source unchanged (quantization_config included)
-      manifest.json                       {"format": "mla_jax.converted", "version": 1, "storage_dtype", "groups",
+      manifest.json                       {"format": "mla_jax.converted", "version": 2, "storage_dtype", "groups",
                                            "tensors": {name: {"group", "shape", "dtype", "crc32"}}}
       weights/<group>/                    one orbax PyTree checkpoint per group: "model" (embeddings, final norm,
                                           lm_head) and "layers.<i>" per decoder layer; keys are the names below
 
 A tensor's name is its NNX parameter path joined by dots, e.g. "layers.3.self_attn.q_a_proj.kernel" or
-"layers.3.mlp.experts.w_gate_qweight"; its value is exactly what the model holds (kernels [in, out], stacked
-experts [E, ...], AWQ int4 weights/zeros and fp16 scales), so loading is a read and a device_put: no transposes,
-no AWQ unpacking, no expert stacking. int4 tensors are stored two per byte (uint8, low nibble first, as XLA
-holds int4; tensorstore would write one per byte) and expanded on the host in one pass. Floating-point
+"layers.3.mlp.experts.w13_packed"; its value is exactly what the model holds (kernels [in, out], stacked
+experts [E, ...], AWQ weights in the packed w4a16 layout: int32 words, uint8 zeros, fp16 scales), so loading is
+a read and a device_put: no transposes, no AWQ repacking, no expert stacking. (int4 arrays, which no model
+parameter uses today, would be stored two per byte: uint8, low nibble first, as XLA holds int4.) Floating-point
 parameters that follow the model dtype are stored in the source checkpoint's dtype (the widest float dtype
 among them, so nothing is rounded) and cast at load, exactly as the HF loader casts; fixed-dtype parameters
-(fp32 router, int4/fp16 AWQ) are stored as held. Per-layer groups keep the converter's host memory at one layer
+(fp32 router, AWQ) are stored as held. Version 1 directories (AWQ as unpacked int4) must be re-converted. Per-layer groups keep the converter's host memory at one layer
 and let a loader stream.
 
 `load_converted` checks names, shapes and dtypes against both the manifest and the model built from config.json,
@@ -45,7 +45,7 @@ from mla_jax.model.transformer import DeepseekV3
 logger = logging.getLogger(__name__)
 
 FORMAT = "mla_jax.converted"
-VERSION = 1
+VERSION = 2   # 2: AWQ weights in the packed w4a16 layout (1: unpacked int4; re-convert)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
 # int4 tensors are stored as uint8 [..., n/2], element 2i in the low nibble of byte i; crc32 is of those bytes.

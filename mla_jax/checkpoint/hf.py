@@ -252,20 +252,29 @@ def _stream_tensors(model: nnx.Module, targets: dict[str, ParamTarget], to_load:
             raise ValueError(f"internal: parameter {t.path} has shape {have}, converted tensor {value.shape}")
         var.set_value(put(t.path, value))
 
+    # Parameters filled by several tensors (per-expert stacks, column parts) wait in a host buffer until complete.
+    parts_of: dict[tuple, int] = {}
+    for t in targets.values():
+        if t.expert is not None or t.columns is not None:
+            parts_of[t.path] = parts_of.get(t.path, 0) + 1
+
     for fn, names in by_file.items():  # files in index order (read_tensor_index walked safetensors_files)
         with safe_open(fn, framework="numpy") as f:
             for name in names:
                 t = targets[name]
                 arr = _convert(f.get_tensor(name), to_load[name][2], t, model_dtype, name)
-                if t.expert is None:
+                if t.path not in parts_of:
                     assign(t, arr)
                     continue
                 var = getattr(_module_at(model, t.module), t.param)
                 buf, seen = stacks.get(t.path) or (np.empty(tuple(var.shape), arr.dtype), set())
-                buf[t.expert] = arr
-                seen.add(t.expert)
+                dst = buf if t.expert is None else buf[t.expert]
+                if t.columns is not None:
+                    dst = dst[..., t.columns[0]: t.columns[0] + t.columns[1]]
+                dst[...] = arr
+                seen.add((t.expert, t.columns))
                 stacks[t.path] = (buf, seen)
-                if len(seen) == var.shape[0]:
+                if len(seen) == parts_of[t.path]:
                     assign(t, buf)
                     del stacks[t.path]
                 del arr
@@ -276,9 +285,12 @@ def _stream_tensors(model: nnx.Module, targets: dict[str, ParamTarget], to_load:
 def _assemble_from_slices(model: nnx.Module, targets: dict[str, ParamTarget], to_load: dict,
                           model_dtype: np.dtype, from_slices: Callable) -> None:
     """Builds every parameter with from_slices(param_path, shape, dtype, read_slice) (see load_hf_weights)."""
-    groups: dict[tuple, dict] = {}          # param path -> {expert index or None: hf name}
+    groups: dict[tuple, dict] = {}          # param path -> {expert index or None: [hf names, by column start]}
     for name, t in targets.items():
-        groups.setdefault(t.path, {})[t.expert] = name
+        groups.setdefault(t.path, {}).setdefault(t.expert, []).append(name)
+    for names in groups.values():
+        for parts in names.values():
+            parts.sort(key=lambda n: targets[n].columns or (0, 0))
 
     with contextlib.ExitStack() as stack:
         files: dict[str, Any] = {}
@@ -293,7 +305,8 @@ def _assemble_from_slices(model: nnx.Module, targets: dict[str, ParamTarget], to
         def piece(name: str, our_index: tuple, our_shape: tuple) -> np.ndarray:
             """Our parameter's slice `our_index` of the (per-expert) tensor `name`."""
             t = targets[name]
-            hf_idx = _hf_index(our_index, our_shape, t.hf_shape, t.transpose)
+            # a converted layout (AWQ -> the packed w4a16 layout) is built from the whole tensor, then cut
+            hf_idx = None if t.convert else _hf_index(our_index, our_shape, t.hf_shape, t.transpose)
             arr = _convert(read(name, hf_idx), to_load[name][2], t, model_dtype, name)
             if hf_idx is None:
                 arr = arr[our_index]
@@ -303,21 +316,28 @@ def _assemble_from_slices(model: nnx.Module, targets: dict[str, ParamTarget], to
                                  f"expected {want}")
             return arr
 
+        def part(parts: list[str], idx: tuple, shape: tuple) -> np.ndarray:
+            """Slice `idx` of one (per-expert) parameter of `shape` made of one tensor or of column parts."""
+            if len(parts) == 1 and targets[parts[0]].columns is None:
+                return piece(parts[0], idx, shape)
+            full = [piece(n, (slice(None),) * len(shape), shape[:-1] + (targets[n].columns[1],)) for n in parts]
+            return np.concatenate(full, axis=-1)[idx]
+
         for ppath, names in groups.items():
-            t0 = targets[next(iter(names.values()))]
+            t0 = targets[names[next(iter(names))][0]]
             var = getattr(_module_at(model, t0.module), t0.param)
             current = var.get_value()
             shape, pdtype = tuple(current.shape), current.dtype
-            if None in names:                                 # one HF tensor -> the whole parameter
-                def read_slice(idx, name=names[None], shape=shape):
-                    return piece(name, idx, shape)
+            if None in names:                                 # HF tensor(s) -> the whole parameter
+                def read_slice(idx, parts=names[None], shape=shape):
+                    return part(parts, idx, shape)
             else:                                             # per-expert HF tensors -> stacked [E, ...]
                 if sorted(names) != list(range(shape[0])):
                     raise ValueError(f"internal: experts of {ppath} in the name map: {sorted(names)}")
 
                 def read_slice(idx, names=names, shape=shape):
                     experts = range(*idx[0].indices(shape[0]))
-                    return np.stack([piece(names[e], idx[1:], shape[1:]) for e in experts])
+                    return np.stack([part(names[e], idx[1:], shape[1:]) for e in experts])
             var.set_value(from_slices(ppath, shape, pdtype, read_slice))
 
 

@@ -32,6 +32,9 @@ class ParamTarget:
     # AWQ hook (mla_jax.quant.awq.awq_linear_targets): when set, convert(host_array) -> final host array (layout
     # and dtype, e.g. int32-packed AWQ -> int4); transpose/dtype are then not applied.
     convert: Callable[[np.ndarray], np.ndarray] | None = None
+    # (start, width) of the parameter's last axis that this tensor fills, when several tensors share one
+    # parameter (AWQ experts: gate_proj and up_proj are the two column halves of `w13`); None: all of it.
+    columns: tuple[int, int] | None = None
 
     @property
     def path(self) -> tuple[str | int, ...]:

@@ -31,6 +31,7 @@ from mla_jax.checkpoint.files import read_generation_config
 from mla_jax.checkpoint.load import load_model
 from mla_jax.checkpoint.sharded import load_sharded
 from mla_jax.config import ModelConfig
+from mla_jax.quant.awq import configure_w4a16
 from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
@@ -166,6 +167,8 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        # AWQ layers: the w4a16 kernels where they can run (dense ones not on weights sharded outside shard_map)
+        configure_w4a16(model, sharded=sharding_plan is not None and sharding_plan.num_devices > 1)
         self.graphdef, self.weights = split_model(model)
         if sharding_plan is None:
             self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)

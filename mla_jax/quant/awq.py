@@ -1,37 +1,28 @@
 """AWQ 4-bit layers (AutoAWQ GEMM checkpoints, docs/architecture.md §6) with the weights resident as int4 on the
-device.
+device, in the packed layout of the w4a16 kernels (pallas_kernels/w4a16, docs/architecture.md §4).
 
-Storage (per quantized Linear [in, out], group size G):
-  qweight  jnp.int4 [in, out]      q - 8, logical column order (unpacked from the checkpoint's int32 [in, out/8])
-  qzeros   jnp.int4 [in/G, out]    z - 8
-  scales   float16  [in/G, out]    as stored in the checkpoint
-  W = (q - z) · s = ((q-8) - (z-8)) · s, so the offset cancels exactly.
-Why unpacked signed int4 and not the checkpoint's packed int32: XLA stores int4 arrays packed two per byte on
-GPU (the same 0.5 B/weight as the int32 packing), and an s4 operand is what XLA's GPU GEMM emitter knows how to
-fuse (convert → subtract → multiply → dot) without materialising W; the int32 layout would need shifts and an
-interleaved [.., 8] -> [..] reshape in front of every dot. Signed rather than unsigned because s4 is XLA's
-well-trodden int4 type, and orbax/tensorstore can write int4 but not uint4. Scales stay fp16 (the checkpoint's
-values, no rounding to bf16): the dequantization is computed in fp32 and W is rounded once, to the model dtype.
+Storage (per quantized Linear [in, out] = [K, N], group size G; K padded to K_pad (a multiple of 256), N to N_pad
+(a multiple of 64), padding weights exactly 0):
+  packed  int32   [K_pad/8, N_pad]   eight unsigned 4-bit q per word, ordered for the kernels' decode
+  scales  float16 [K_pad/G, N_pad]   as stored in the checkpoint
+  zeros   uint8   [K_pad/G, N_pad]   the unsigned 4-bit zero point z
+  W = (q - z) · s, computed in fp32 and rounded once to the model dtype (the kernels apply s and z per group to
+  partial products in fp32).
+The AutoAWQ tensors (qweight / qzeros int32 packed along N, scales) are converted once, by the loaders: the HF
+loader on the host as it reads each tensor, scripts/convert.py when it writes a converted directory (manifest
+version 2). Scales stay fp16 bit-exact (bf16/fp32 scales are accepted only when exactly fp16-representable).
 
-Resident bytes of one quantized Linear [in, out]:
-  in·out/2 (int4 weights) + (in/G)·out·2 (fp16 scales) + (in/G)·out/2 (int4 zeros)  =  in·out·(1/2 + 5/(2G)).
-For a full DeepSeek-V3 MoE layer (D=7168, H=128, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, E=256
-experts and 1 shared expert of I=2048), `layer_resident_bytes(cfg)` sums:
-  attention  D·1536 + 1536·H·192 + D·576 + 512·H·256 + H·128·D          =    187,105,280 weights
-  experts    (E + 1) · 3·D·I                                               = 11,318,329,344 weights
-  × (1/2 + 5/(2G)) bytes:  G=128 → 5,977,432,832 B (5.57 GiB);  G=64 → 6,202,148,352 B (5.78 GiB)
-plus unquantized: router kernel fp32 D·E + bias fp32 E and four RMSNorm weights (D, D, 1536, 512) in 2 bytes:
-7,373,824 B. Without quantization the same layer in bf16 is 2·11,505,434,624 B = 21.4 GiB (3.7× more).
+Resident bytes of one quantized Linear: K_pad·N_pad·(1/2 + 3/G) (AutoAWQ's own: K·N·(1/2 + 5/(2G))). For a full
+DeepSeek-V3 MoE layer (D=7168, H=128, q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, E=256 experts and one
+shared expert of I=2048) every dimension is already aligned, so `layer_resident_bytes(cfg)` is
+  (187,105,280 attention + 11,318,329,344 expert weights) × (1/2 + 3/G):
+  G=128 → 6,022,375,936 B (5.61 GiB);  G=64 → 6,292,034,560 B (5.86 GiB)
+plus unquantized: router kernel fp32 D·E + bias fp32 E and four RMSNorm weights (D, D, 1536, 512) in 2 bytes.
 
-Routed experts (`AWQExperts`): stacked [E, ...] int4 params; the forward never dequantizes more than
-`tiles_per_step` experts at a time. (token, expert) assignments are sorted by expert and cut into tiles of C
-rows of one expert each (C <= T; an expert with more than C tokens gets several tiles). A loop over the tiles that
-exist, `tiles_per_step` per iteration, gathers those experts' int4 weights, dequantizes them and runs the gated
-MLP on the tile's rows; results are weighted and scatter-added into the output. Cost per decode step: the int4
-bytes of the experts the tokens route to (each read once per tile) plus a transient bf16 copy of at most
-`tiles_per_step` experts (8 × 3·D·I·2 B = 704 MB for V3 at the default 8); compute is C rows per tile, so no
-T-times dense work over all experts. Tiles are bounded statically by ceil(T·K/C) + min(E, T·K); only the used
-ones are iterated (a while loop with a data-dependent trip count).
+Forward: `AWQLinear` is pallas_kernels.w4a16_matmul; `AWQExperts` (routed experts, gate and up stacked as the
+two column halves of one weight `w13`) is pallas_kernels.w4a16_moe, which groups tokens by expert on the device
+and reads only the experts in use. Backends follow pallas_kernels' rules ("auto": the Triton kernels for bf16 on a
+CUDA GPU, the XLA dequantize-and-dot reference elsewhere); `configure_w4a16` sets them for a model.
 """
 from __future__ import annotations
 
@@ -44,15 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from mla_jax.checkpoint.targets import ParamTarget
 from mla_jax.quant.pack import PACK, unpack_int4
-
-INT4_OFFSET = 8  # stored int4 value = unsigned 4-bit value - 8
+from pallas_kernels.w4a16 import layout
 
 
 class QuantWeight(nnx.Param):
-    """int4 weights/zeros and fp16 scales of an AWQ layer: Params (loaded, saved, sharded like any weight) that a
-    trainer can leave out of differentiation with `nnx.All(nnx.Param, nnx.Not(QuantWeight))`."""
+    """Packed int4 weights, uint8 zeros and fp16 scales of an AWQ layer: Params (loaded, saved, sharded like any
+    weight) that a trainer can leave out of differentiation with `nnx.All(nnx.Param, nnx.Not(QuantWeight))`."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,8 +60,9 @@ def check_awq_config(quant, where: str = "") -> None:
                          f"(AutoAWQ's default) checkpoints are.")
     if str(quant.version).lower() != "gemm":
         raise ValueError(f"{at}AWQ version={quant.version!r} is not supported; only the 'gemm' packing is.")
-    if quant.group_size <= 0:
-        raise ValueError(f"{at}AWQ group_size={quant.group_size} must be positive.")
+    if quant.group_size <= 0 or layout.CHUNK_K % quant.group_size:
+        raise ValueError(f"{at}AWQ group_size={quant.group_size} is not supported: the packed int4 layout needs a "
+                         f"group size that divides {layout.CHUNK_K} (AWQ checkpoints use 64 or 128).")
 
 
 def check_linear_shape(hf_name: str, in_features: int, out_features: int, group_size: int) -> None:
@@ -106,9 +98,9 @@ def validate_checkpoint_tensors(hf_name: str, in_features: int, out_features: in
             raise ValueError(f"{hf_name}.{leaf} has dtype {t.dtype}, expected {' or '.join(dtypes)}.")
 
 
-def _int4_from_packed(packed: np.ndarray) -> np.ndarray:
-    """int32 [rows, cols/8] AWQ-packed unsigned 4-bit values -> int4 [rows, cols] holding value - 8."""
-    return (unpack_int4(packed).astype(np.int8) - INT4_OFFSET).astype(jnp.int4)
+def _nibbles_from_packed(packed: np.ndarray) -> np.ndarray:
+    """int32 [rows, cols/8] AWQ-packed unsigned 4-bit values -> uint8 [rows, cols] (0..15)."""
+    return unpack_int4(packed).astype(np.uint8)
 
 
 def _scales_to_f16(scales: np.ndarray) -> np.ndarray:
@@ -123,231 +115,210 @@ def _scales_to_f16(scales: np.ndarray) -> np.ndarray:
     return s
 
 
-def checkpoint_to_params(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray):
-    """Checkpoint tensors -> host arrays in our layout: (q-8 int4 [in, out], z-8 int4 [in/G, out], scales fp16).
+def checkpoint_to_weight(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray,
+                         group_size: int) -> layout.W4A16Weight:
+    """One linear's AutoAWQ tensors -> host arrays in the packed layout (numpy inside a W4A16Weight)."""
+    q, z = _nibbles_from_packed(qweight), _nibbles_from_packed(qzeros)
+    return layout.pack(q, z, _scales_to_f16(scales), group_size, xp=np)
 
-    fp16 scales are kept bit-exact; bf16/fp32 scales (some exporters) are converted to fp16 only when that is
-    exact, otherwise this raises rather than change the weights."""
-    return _int4_from_packed(qweight), _int4_from_packed(qzeros), _scales_to_f16(scales)
 
-
-def _convert_packed(arr: np.ndarray, *, name: str, kind: str) -> np.ndarray:
-    """Loader conversion of one checkpoint tensor (int32 packed qweight/qzeros, or scales) to our layout."""
+def _convert_packed(arr: np.ndarray, *, name: str, kind: str, in_features: int, group_size: int) -> np.ndarray:
+    """Loader conversion of one checkpoint tensor (int32 packed qweight/qzeros, or scales) to the packed layout."""
     if kind == "scales":
         if arr.dtype not in (np.float16, np.float32) and str(arr.dtype) != "bfloat16":
             raise ValueError(f"{name} has dtype {arr.dtype}; AWQ scales must be float16 (or exactly "
                              f"float16-representable bf16/fp32)")
         try:
-            return _scales_to_f16(arr)
+            s = _scales_to_f16(arr)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+        return layout.pad_groups(s, in_features, group_size, np.float16, xp=np)
     if arr.dtype != np.int32:
         raise ValueError(f"{name} has dtype {arr.dtype}; AWQ {kind} must be int32 (eight packed 4-bit values)")
-    return _int4_from_packed(arr)
+    nibbles = _nibbles_from_packed(arr)
+    if kind == "qweight":
+        return layout.pack_q(nibbles, xp=np)
+    return layout.pad_groups(nibbles, in_features, group_size, np.uint8, xp=np)
+
+
+# AWQ tensor -> our parameter suffix
+_LEAVES = {"qweight": "packed", "qzeros": "zeros", "scales": "scales"}
 
 
 def awq_linear_targets(quant, hf_module: str, module: tuple, param: str, in_features: int, out_features: int,
                        expert: Optional[int] = None) -> dict:
     """The loader hook (mla_jax.checkpoint.hf._linear): HF tensor name -> ParamTarget for one AWQ linear.
 
-    AWQLinear params are qweight/qzeros/scales; an expert's go to the stacked AWQExperts params
-    `{param}_qweight` etc. (param = w_gate / w_up / w_down) at index `expert`."""
+    AWQLinear params are packed/zeros/scales; an expert's (param = w_gate / w_up / w_down) go to the stacked
+    AWQExperts params at index `expert`: gate and up to the two column halves of `w13_*`, down to `w2_*`."""
     check_awq_config(quant, hf_module)
     check_linear_shape(hf_module, in_features, out_features, quant.group_size)
-    ng = in_features // quant.group_size
+    G = quant.group_size
+    ng = in_features // G
     shapes = {"qweight": (in_features, out_features // PACK), "qzeros": (ng, out_features // PACK),
               "scales": (ng, out_features)}
+    prefix, columns = "", None
+    if expert is not None:
+        if param not in ("w_gate", "w_up", "w_down"):
+            raise ValueError(f"internal: AWQ expert parameter {param!r}")
+        half = layout.padded_n(out_features)
+        prefix = "w2_" if param == "w_down" else "w13_"
+        columns = {"w_gate": (0, half), "w_up": (half, half), "w_down": None}[param]
     out = {}
     for leaf, shape in shapes.items():
         name = f"{hf_module}.{leaf}"
-        out[name] = ParamTarget(module, leaf if expert is None else f"{param}_{leaf}", shape, expert=expert,
-                                quantizable=True, convert=functools.partial(_convert_packed, name=name, kind=leaf))
+        out[name] = ParamTarget(module, prefix + _LEAVES[leaf], shape, expert=expert, quantizable=True,
+                                columns=columns,
+                                convert=functools.partial(_convert_packed, name=name, kind=leaf,
+                                                          in_features=in_features, group_size=G))
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# dequantization
-
-
-def dequantize(q: jax.Array, z: jax.Array, s: jax.Array, dtype) -> jax.Array:
-    """(q - z[g]) · s[g] for q [..., in, out] int4 and z, s [..., in/G, out]; fp32 math, result in `dtype`."""
-    *lead, n_in, n_out = q.shape
-    ng = z.shape[-2]
-    qg = q.astype(jnp.float32).reshape(*lead, ng, n_in // ng, n_out)
-    w = (qg - z.astype(jnp.float32)[..., :, None, :]) * s.astype(jnp.float32)[..., :, None, :]
-    return w.reshape(*lead, n_in, n_out).astype(dtype)
-
-
-def _precision(dtype):
-    # fp32 models get true fp32 matmuls (no TF32) so that they match fp32 references; 16-bit ones the default.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+# layers
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _random_awq(key, lead: tuple, n_in: int, n_out: int, group_size: int):
-    """Random int4 weights with realistic zero points and scales (std(W) ~ 1/sqrt(in)); used as the init."""
+def _random_packed(key, lead: tuple, n_in: int, n_out: int, group_size: int) -> layout.W4A16Weight:
+    """Random packed weights: uniform 4-bit codes (random words), zero points 8 ± 2 and scales that make
+    std(W) ~ 1/sqrt(in); scales and zeros are 0 in the padding, so padded rows and columns are exactly 0. Built
+    in the packed layout directly (an unpacked int32 copy of a V3 expert stack would need 15 GB); the init."""
     kq, kz, ks = jax.random.split(key, 3)
-    ng = n_in // group_size
-    q = jax.random.randint(kq, (*lead, n_in, n_out), -8, 8, jnp.int32).astype(jnp.int4)
-    z = jax.random.randint(kz, (*lead, ng, n_out), -2, 2, jnp.int32).astype(jnp.int4)  # z ≈ 8 ± 2
+    k_pad, n_pad, ng = layout.padded_k(n_in), layout.padded_n(n_out), n_in // group_size
+    packed = jax.lax.bitcast_convert_type(
+        jax.random.bits(kq, (*lead, k_pad // layout.NIBBLES, n_pad), jnp.uint32), jnp.int32)
+    z = jax.random.randint(kz, (*lead, ng, n_out), 6, 10, jnp.int32)
     s = jax.random.uniform(ks, (*lead, ng, n_out), jnp.float32, 0.5, 1.5) / (4.6 * math.sqrt(n_in))
-    return q, z, s.astype(jnp.float16)
+    return layout.W4A16Weight(packed=packed, scales=layout.pad_groups(s, n_in, group_size, jnp.float16),
+                              zeros=layout.pad_groups(z, n_in, group_size, jnp.uint8), k=n_in, n=n_out,
+                              group_size=group_size)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in pallas_kernels.w4a16.BACKEND_NAMES:
+        raise ValueError(f"w4a16 backend {backend!r}: expected one of {pallas_kernels.w4a16.BACKEND_NAMES}")
+    return backend
 
 
 class AWQLinear(nnx.Module):
     """AWQ 4-bit Linear: y = x @ W, W = (q - z[g]) · s[g] [in, out]; fp32 accumulation, output in x.dtype.
 
-    Same call contract as `mla_jax.model.layers.Linear`: x is cast to the model dtype `dtype`, W is dequantized
-    (in fp32, rounded once to `dtype`) and multiplied. Plain XLA: dequantize then dot (XLA may fuse the int4
-    convert into the GEMM on GPU; scripts/bench_awq_layer.py measures it).
+    Same call contract as `mla_jax.model.layers.Linear`: x is cast to the model dtype `dtype` and multiplied by
+    pallas_kernels.w4a16_matmul (backend `backend`, see configure_w4a16).
     """
 
     def __init__(self, quant, in_features: int, out_features: int, *, hf_name: str = "AWQLinear",
-                 dtype=jnp.float32, rngs: Optional[nnx.Rngs] = None):
+                 dtype=jnp.float32, rngs: Optional[nnx.Rngs] = None, backend: str = "auto"):
         check_awq_config(quant, hf_name)
         check_linear_shape(hf_name, in_features, out_features, quant.group_size)
         self.hf_name = hf_name
         self.in_features, self.out_features = in_features, out_features
         self.group_size = quant.group_size
         self.dtype = jnp.dtype(dtype)
+        self.backend = _check_backend(backend)
+        self.interpret = False
         key = rngs.params() if rngs is not None else jax.random.key(0)
-        q, z, s = _random_awq(key, (), in_features, out_features, quant.group_size)
-        self.qweight = QuantWeight(q)
-        self.qzeros = QuantWeight(z)
-        self.scales = QuantWeight(s)
+        w = _random_packed(key, (), in_features, out_features, quant.group_size)
+        self.packed = QuantWeight(w.packed)
+        self.scales = QuantWeight(w.scales)
+        self.zeros = QuantWeight(w.zeros)
+
+    def weight(self) -> layout.W4A16Weight:
+        return layout.W4A16Weight(packed=self.packed[...], scales=self.scales[...], zeros=self.zeros[...],
+                                  k=self.in_features, n=self.out_features, group_size=self.group_size)
 
     def dequantized_kernel(self, dtype=None) -> jax.Array:
         """W [in, out] in `dtype` (default: the model dtype)."""
-        return dequantize(self.qweight[...], self.qzeros[...], self.scales[...], dtype or self.dtype)
+        return layout.dequantize(self.weight(), dtype or self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.dequantized_kernel()
-        y = jnp.dot(x.astype(self.dtype), w, preferred_element_type=jnp.float32, precision=_precision(self.dtype))
-        return y.astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# routed experts
-
-
-def _pow2ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def tile_plan(num_tokens: int, top_k: int, num_experts: int, tiles_per_step: int) -> tuple[int, int]:
-    """Static (rows_per_tile C, number of tile slots) for T tokens, K experts each, E experts.
-
-    C <= T (an expert sees each token at most once); about 2·T·K/E rows per tile, at least 8, at most 256, so
-    decode tiles are small (weight-read bound) and prefill tiles are GEMM-sized. Tile slots:
-    ceil(T·K/C) + min(E, T·K) bounds Σ_e ceil(count_e / C), rounded up to a multiple of tiles_per_step."""
-    P = num_tokens * top_k
-    C = max(1, min(num_tokens, 256, max(8, _pow2ceil(-(-2 * P // num_experts)))))
-    n_tiles = -(-P // C) + min(num_experts, P)
-    B = max(1, min(tiles_per_step, n_tiles))
-    return C, -(-n_tiles // B) * B
-
-
-def route_tiles(topk_idx: jax.Array, topk_w: jax.Array, num_experts: int, rows_per_tile: int, n_tiles: int):
-    """Sort (token, expert) pairs by expert and cut them into tiles of `rows_per_tile` rows of one expert.
-
-    Returns expert [n_tiles] int32, token [n_tiles, C] int32, weight [n_tiles, C] fp32 (0 for padding rows),
-    valid [n_tiles, C] bool, n_used (number of real tiles; tiles >= n_used are padding)."""
-    T, K = topk_idx.shape
-    E, C, P = num_experts, rows_per_tile, T * K
-    e = topk_idx.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(e, stable=True)                        # pair indices grouped by expert
-    count = jnp.bincount(e, length=E).astype(jnp.int32)        # [E] rows per expert
-    row_start = jnp.cumsum(count) - count                      # first sorted row of each expert
-    n_chunks = (count + C - 1) // C                            # tiles per expert
-    tile_end = jnp.cumsum(n_chunks)                            # inclusive end (in tiles) per expert
-    tile_start = tile_end - n_chunks
-    n_used = tile_end[-1]
-    j = jnp.arange(n_tiles, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(tile_end, j, side="right"), E - 1).astype(jnp.int32)
-    first_row = row_start[expert] + (j - tile_start[expert]) * C
-    rows = first_row[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]          # [n_tiles, C] sorted rows
-    valid = (rows < (row_start[expert] + count[expert])[:, None]) & (j < n_used)[:, None]
-    pair = order[jnp.clip(rows, 0, P - 1)]
-    token = (pair // K).astype(jnp.int32)
-    weight = jnp.where(valid, topk_w.reshape(-1).astype(jnp.float32)[pair], 0.0)
-    return expert, token, weight, valid, n_used
+        flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        y = pallas_kernels.w4a16_matmul(flat, self.weight(), backend=self.backend, interpret=self.interpret)
+        return y.reshape(*x.shape[:-1], self.out_features).astype(x.dtype)
 
 
 class AWQExperts(nnx.Module):
-    """Routed experts of one MoE layer, AWQ 4-bit, stacked: {gate,up}_* [E, D, I], down_* [E, I, D].
+    """Routed experts of one MoE layer, AWQ 4-bit, stacked over the leading expert axis [E].
 
-    Params per projection p in (gate, up, down): w_p_qweight int4 [E, in, out], w_p_qzeros int4 [E, in/G, out],
-    w_p_scales fp16 [E, in/G, out] (layouts as AWQLinear; `Experts.w_p` is the unquantized counterpart).
-    Same call contract as `mla_jax.model.moe.Experts`.
-    See the module docstring for the tiling strategy and its cost.
+    Params: w13_{packed,scales,zeros} — gate [D, I] and up [D, I] as the two column halves of one packed weight
+    [D -> 2·I_pad] (I_pad = I rounded up to 64: columns [0, I) gate, [I_pad, I_pad + I) up); w2_{...} — down
+    [I -> D]. Layouts as AWQLinear. Same call contract as `mla_jax.model.moe.Experts`; the forward is
+    pallas_kernels.w4a16_moe.
     """
-
 
     def __init__(self, quant, num_experts: int, hidden: int, intermediate: int, *,
                  hf_prefix: str = "AWQExperts", dtype=jnp.float32, rngs: Optional[nnx.Rngs] = None,
-                 tiles_per_step: int = 8):
+                 backend: str = "auto"):
         check_awq_config(quant, hf_prefix)
         check_linear_shape(f"{hf_prefix}.*.gate_proj", hidden, intermediate, quant.group_size)
         check_linear_shape(f"{hf_prefix}.*.down_proj", intermediate, hidden, quant.group_size)
         self.hf_prefix = hf_prefix
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.group_size = quant.group_size
+        self.group_size = G = quant.group_size
         self.dtype = jnp.dtype(dtype)
-        self.tiles_per_step = int(tiles_per_step)
+        self.backend = _check_backend(backend)
+        self.interpret = False
         key = rngs.params() if rngs is not None else jax.random.key(0)
-        for name, k, (n_in, n_out) in zip(("gate", "up", "down"), jax.random.split(key, 3),
-                                          ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))):
-            q, z, s = _random_awq(k, (num_experts,), n_in, n_out, quant.group_size)
-            setattr(self, f"w_{name}_qweight", QuantWeight(q))
-            setattr(self, f"w_{name}_qzeros", QuantWeight(z))
-            setattr(self, f"w_{name}_scales", QuantWeight(s))
+        kg, ku, kd = jax.random.split(key, 3)
+        lead = (num_experts,)
+        gate, up = (_random_packed(k, lead, hidden, intermediate, G) for k in (kg, ku))
+        w2 = _random_packed(kd, lead, intermediate, hidden, G)
+        cat = lambda a, b: jnp.concatenate([a, b], axis=-1)      # gate | up column halves
+        self.w13_packed = QuantWeight(cat(gate.packed, up.packed))
+        self.w13_scales = QuantWeight(cat(gate.scales, up.scales))
+        self.w13_zeros = QuantWeight(cat(gate.zeros, up.zeros))
+        self.w2_packed = QuantWeight(w2.packed)
+        self.w2_scales = QuantWeight(w2.scales)
+        self.w2_zeros = QuantWeight(w2.zeros)
 
     @property
     def padding_expert_index(self) -> int:
         """The expert index for (token, expert) pairs this module must not compute (under expert parallelism: pairs
-        routed to another device's experts): num_experts, which route_tiles' per-expert counts leave out, so such a
-        pair lands in no tile and costs nothing."""
+        routed to another device's experts): num_experts, which w4a16_moe's routing drops, so such a pair gets no
+        row and costs nothing."""
         return self.num_experts
 
-    def _weights(self, name: str, experts: jax.Array) -> jax.Array:
-        """Dequantized weights of the given experts: [len(experts), in, out] in the model dtype."""
-        take = lambda p: jnp.take(getattr(self, f"w_{name}_{p}")[...], experts, axis=0)
-        return dequantize(take("qweight"), take("qzeros"), take("scales"), self.dtype)
+    def weights(self) -> tuple[layout.W4A16Weight, layout.W4A16Weight]:
+        """(w13 [E] gate|up, w2 [E] down) as the w4a16 ops take them."""
+        half = layout.padded_n(self.intermediate)
+        w13 = layout.W4A16Weight(packed=self.w13_packed[...], scales=self.w13_scales[...],
+                                 zeros=self.w13_zeros[...], k=self.hidden, n=2 * half, group_size=self.group_size)
+        w2 = layout.W4A16Weight(packed=self.w2_packed[...], scales=self.w2_scales[...], zeros=self.w2_zeros[...],
+                                k=self.intermediate, n=self.hidden, group_size=self.group_size)
+        return w13, w2
 
-    def dequantized_expert(self, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(w_gate [D, I], w_up [D, I], w_down [I, D]) of expert e in the model dtype (tests, debugging)."""
-        idx = jnp.asarray([e])
-        return tuple(self._weights(n, idx)[0] for n in ("gate", "up", "down"))
+    def dequantized_expert(self, e: int, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(w_gate [D, I], w_up [D, I], w_down [I, D]) of expert e (default: in the model dtype; tests)."""
+        dtype = dtype or self.dtype
+        take = lambda w: layout.W4A16Weight(packed=w.packed[e], scales=w.scales[e], zeros=w.zeros[e], k=w.k,
+                                            n=w.n, group_size=w.group_size)
+        w13, w2 = self.weights()
+        gu = layout.dequantize(take(w13), dtype)
+        half, inter = layout.padded_n(self.intermediate), self.intermediate
+        return gu[:, :inter], gu[:, half: half + inter], layout.dequantize(take(w2), dtype)
 
     def __call__(self, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array) -> jax.Array:
         """x [T, D], topk_idx int [T, K], topk_w [T, K] -> Σ_k w·down(silu(gate x)·up x)  [T, D] in x.dtype."""
-        T, K = topk_idx.shape
-        D = x.shape[-1]
-        if T == 0:
-            return jnp.zeros((0, D), x.dtype)
-        C, n_tiles = tile_plan(T, K, self.num_experts, self.tiles_per_step)
-        B = min(self.tiles_per_step, n_tiles)
-        expert, token, weight, valid, n_used = route_tiles(topk_idx, topk_w, self.num_experts, C, n_tiles)
-        xc = x.astype(self.dtype)
-        prec = _precision(self.dtype)
+        w13, w2 = self.weights()
+        y = pallas_kernels.w4a16_moe(x.astype(self.dtype), topk_idx, topk_w.astype(jnp.float32), w13, w2,
+                                     backend=self.backend, interpret=self.interpret)
+        return y.astype(x.dtype)
 
-        def step(i, acc):
-            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * B, B, axis=0)
-            ex, tok, w, ok = sl(expert), sl(token), sl(weight), sl(valid)   # [B], [B, C] ...
-            xb = xc[tok]                                                      # [B, C, D]
-            g = jnp.einsum("bcd,bdi->bci", xb, self._weights("gate", ex),
-                           preferred_element_type=jnp.float32, precision=prec).astype(x.dtype)
-            u = jnp.einsum("bcd,bdi->bci", xb, self._weights("up", ex),
-                           preferred_element_type=jnp.float32, precision=prec).astype(x.dtype)
-            h = (jax.nn.silu(g) * u).astype(self.dtype)
-            y = jnp.einsum("bci,bid->bcd", h, self._weights("down", ex),
-                           preferred_element_type=jnp.float32, precision=prec).astype(x.dtype)
-            y = jnp.where(ok[..., None], y.astype(jnp.float32) * w[..., None], 0.0)
-            return acc.at[tok.reshape(-1)].add(y.reshape(-1, D))
 
-        n_steps = (n_used + B - 1) // B
-        acc = jax.lax.fori_loop(0, n_steps, step, jnp.zeros((T, D), jnp.float32))
-        return acc.astype(x.dtype)
+def configure_w4a16(model: nnx.Module, *, backend: str = "auto", interpret: bool = False,
+                    sharded: bool = False) -> None:
+    """Sets the w4a16 backend (and Pallas interpret mode) of every AWQ layer of `model` (in place; before
+    nnx.split / jit).
+
+    sharded: the model's weights are split over several devices outside any shard_map. Pallas kernels cannot
+    take such arrays, so the dense AWQLinears then use the XLA reference (it dequantizes their weights
+    transiently); the routed experts keep `backend`, since they run inside the expert-parallel shard_map island.
+    """
+    _check_backend(backend)
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, (AWQLinear, AWQExperts)):
+            m.backend = "xla" if sharded and isinstance(m, AWQLinear) else backend
+            m.interpret = bool(interpret)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,9 +326,9 @@ class AWQExperts(nnx.Module):
 
 
 def linear_resident_bytes(in_features: int, out_features: int, group_size: int) -> int:
-    """int4 weights + fp16 scales + int4 zeros of one AWQ linear [in, out]."""
-    ng = in_features // group_size
-    return in_features * out_features // 2 + ng * out_features * 2 + ng * out_features // 2
+    """Packed int4 weights + fp16 scales + uint8 zeros of one AWQ linear [in, out], padding included."""
+    k, n = layout.padded_k(in_features), layout.padded_n(out_features)
+    return k * n // 2 + (k // group_size) * n * 3
 
 
 def layer_linear_shapes(cfg) -> dict[str, tuple[int, int, int]]:

@@ -9,7 +9,8 @@ Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z
           bf16 activations.
   xla     dequantize-and-dot (reference.py); any device and dtype.
 `auto` picks triton for bf16 activations on a CUDA GPU of compute capability >= 8.0 (or in interpret mode), else
-xla, and logs one INFO line (logger "pallas_kernels") per distinct choice with its reason. A backend requested by
+xla (also for group sizes the kernels are not built for), and logs one INFO line (logger "pallas_kernels") per
+distinct choice with its reason. A backend requested by
 name that cannot run raises ValueError saying why and what would run; nothing is swapped silently. There is no
 Hopper-specific (mosaic_sm90) w4a16 kernel yet: asking for one raises.
 
@@ -41,7 +42,8 @@ def _compute_capability(device) -> tuple[int, int] | None:
   return None
 
 
-def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=None) -> tuple[str, str]:
+def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=None,
+                    group_size: int | None = None) -> tuple[str, str]:
   """(backend name, reason) for a w4a16 call; raises ValueError for a request that cannot run."""
   if requested not in BACKEND_NAMES:
     raise ValueError(f"w4a16 backend {requested!r} is unknown; choose one of {BACKEND_NAMES}.")
@@ -50,6 +52,7 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   on_gpu = device.platform == "gpu" and cc is not None and cc >= (8, 0)
   where = (f"{device.device_kind} (compute capability {cc[0]}.{cc[1]})" if cc else f"{device.platform} device")
   bf16 = jnp.dtype(x_dtype) == jnp.bfloat16
+  kernel_group = group_size is None or group_size in layout.KERNEL_GROUP_SIZES
   if requested == "mosaic_sm90":
     raise ValueError("w4a16 backend 'mosaic_sm90' does not exist yet; 'triton' runs on compute capability >= 8.0 "
                      "(Hopper included) and 'xla' anywhere.")
@@ -59,12 +62,17 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
     if not bf16:
       raise ValueError(f"w4a16 backend 'triton' takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x to "
                        f"bfloat16 or use backend='xla'.")
+    if not kernel_group:
+      raise ValueError(f"w4a16 backend 'triton' is built for group sizes {layout.KERNEL_GROUP_SIZES}, got "
+                       f"{group_size}; use backend='xla' for this weight.")
     if not (interpret or on_gpu):
       raise ValueError(f"w4a16 backend 'triton' needs a CUDA GPU of compute capability >= 8.0 or interpret=True; "
                        f"this is a {where}. backend='xla' runs here.")
     return "triton", "requested"
   if not bf16:
     return "xla", f"{jnp.dtype(x_dtype)} activations (the int4 kernels compute with bfloat16 activations)"
+  if not kernel_group:
+    return "xla", f"group size {group_size} (the kernels are built for {layout.KERNEL_GROUP_SIZES})"
   if interpret:
     return "triton", "interpret=True"
   if on_gpu:
@@ -72,8 +80,8 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   return "xla", f"no CUDA GPU of compute capability >= 8.0 ({where})"
 
 
-def _choose(requested: str, x_dtype, interpret: bool) -> str:
-  name, reason = resolve_backend(requested, x_dtype, interpret)
+def _choose(requested: str, x_dtype, interpret: bool, group_size: int) -> str:
+  name, reason = resolve_backend(requested, x_dtype, interpret, group_size=group_size)
   if (requested, name, reason) not in _logged:
     _logged.add((requested, name, reason))
     logger.info("w4a16 backend: %s (%s)", name, reason)
@@ -93,7 +101,7 @@ def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "au
   _check_x(x, weight.k, "w4a16_matmul")
   if x.shape[0] == 0:
     return jnp.zeros((0, weight.n), x.dtype)
-  if _choose(backend, x.dtype, interpret) == "xla":
+  if _choose(backend, x.dtype, interpret, weight.group_size) == "xla":
     return reference.matmul(x, weight)
   return triton.matmul(x, weight, interpret=interpret, config=config)
 
@@ -132,7 +140,7 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
   if t == 0:
     return jnp.zeros((0, w2.n), x.dtype)
   bm = block_m or default_block_m(t, k, num_experts)
-  if _choose(backend, x.dtype, interpret) == "xla":
+  if _choose(backend, x.dtype, interpret, w13.group_size) == "xla":
     return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=bm)
   rt = routing.align(topk_ids, topk_weights, num_experts, bm)
   busy = min(rt.num_blocks, num_experts, t * k)          # blocks expected in use: sizes the K split

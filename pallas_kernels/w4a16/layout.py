@@ -27,7 +27,7 @@ CHUNK_K = 256                   # K rows per packed chunk
 NIBBLES = 8                     # 4-bit values per int32 word
 PLANE_K = CHUNK_K // NIBBLES    # 32 K rows decoded from one nibble of a chunk's words
 ALIGN_N = 64                    # N is padded to a multiple of this
-GROUP_SIZES = (32, 64, 128)     # group sizes the kernels are built for (AWQ checkpoints use 64 or 128)
+KERNEL_GROUP_SIZES = (32, 64, 128)   # group sizes the Triton kernels are built for (AWQ checkpoints use 64 or 128)
 
 
 @jax.tree_util.register_dataclass
@@ -66,13 +66,44 @@ def padded_n(n: int) -> int:
 
 
 def check_shapes(k: int, n: int, group_size: int, where: str = "w4a16") -> None:
-  if group_size not in GROUP_SIZES:
-    raise ValueError(f"{where}: group size {group_size} is not supported by the w4a16 kernels "
-                     f"(supported: {GROUP_SIZES}); use the xla path for other group sizes.")
+  """The layout holds any group size that divides both K and a chunk (256 rows): 16, 32, 64, 128, 256, ...
+  The kernels are narrower (KERNEL_GROUP_SIZES); api.resolve_backend says so."""
+  if group_size <= 0 or CHUNK_K % group_size:
+    raise ValueError(f"{where}: group size {group_size} does not divide the {CHUNK_K}-row chunk of the packed "
+                     f"layout; supported group sizes divide {CHUNK_K} (AWQ checkpoints use 64 or 128).")
   if k % group_size:
     raise ValueError(f"{where}: group size {group_size} does not divide K = {k}.")
   if n <= 0:
     raise ValueError(f"{where}: N = {n} output columns; need at least one.")
+
+
+def _check_nibbles(name: str, a) -> None:
+  a = np.asarray(a)
+  if a.size and (a.min() < 0 or a.max() > 15):
+    raise ValueError(f"w4a16 pack: {name} holds values outside 0..15 (min {a.min()}, max {a.max()}).")
+
+
+def pack_q(q, xp=jnp):
+  """q [..., K, N] (integers 0..15) -> packed int32 words [..., K_pad/8, N_pad] (the module docstring's order)."""
+  *lead, k, n = q.shape
+  if xp is np:
+    _check_nibbles("q", q)
+  k_pad, n_pad = padded_k(k), padded_n(n)
+  qp = xp.pad(xp.asarray(q).astype(xp.uint32), [(0, 0)] * len(lead) + [(0, k_pad - k), (0, n_pad - n)])
+  qp = qp.reshape(*lead, k_pad // CHUNK_K, NIBBLES, PLANE_K, n_pad)       # row 256 c + 32 j + r
+  shifts = (xp.arange(NIBBLES, dtype=xp.uint32) * 4)[:, None, None]       # [8, 1, 1]
+  words = (qp << shifts).sum(axis=-3, dtype=xp.uint32)                    # [..., K_pad/256, 32, N_pad]
+  words = words.reshape(*lead, k_pad // NIBBLES, n_pad)
+  return words.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def pad_groups(a, k: int, group_size: int, dtype, xp=jnp):
+  """Per-group scales or zeros [..., K/G, N] -> [..., K_pad/G, N_pad] in `dtype`, zero-padded."""
+  *lead, g, n = a.shape
+  if g * group_size != k:
+    raise ValueError(f"w4a16 pack: {g} groups of {group_size} rows do not make K = {k}.")
+  pad = [(0, 0)] * len(lead) + [(0, padded_k(k) // group_size - g), (0, padded_n(n) - n)]
+  return xp.pad(xp.asarray(a).astype(dtype), pad)
 
 
 def pack(q, z, s, group_size: int, xp=jnp) -> W4A16Weight:
@@ -89,25 +120,9 @@ def pack(q, z, s, group_size: int, xp=jnp) -> W4A16Weight:
     raise ValueError(f"w4a16 pack: q {tuple(q.shape)} needs zeros and scales of shape {(*lead, ng, n)}; "
                      f"got {tuple(z.shape)} and {tuple(s.shape)}.")
   if xp is np:
-    for name, a in (("q", q), ("z", z)):
-      a = np.asarray(a)
-      if a.size and (a.min() < 0 or a.max() > 15):
-        raise ValueError(f"w4a16 pack: {name} holds values outside 0..15 (min {a.min()}, max {a.max()}).")
-  k_pad, n_pad = padded_k(k), padded_n(n)
-  lead_pad = [(0, 0)] * len(lead)
-
-  def pad(a, rows):
-    return xp.pad(a, lead_pad + [(0, rows - a.shape[-2]), (0, n_pad - n)])
-
-  qp = pad(xp.asarray(q).astype(xp.uint32), k_pad)                        # [..., K_pad, N_pad]
-  qp = qp.reshape(*lead, k_pad // CHUNK_K, NIBBLES, PLANE_K, n_pad)       # row 256 c + 32 j + r
-  shifts = (xp.arange(NIBBLES, dtype=xp.uint32) * 4)[:, None, None]       # [8, 1, 1]
-  words = (qp << shifts).sum(axis=-3, dtype=xp.uint32)                    # [..., K_pad/256, 32, N_pad]
-  words = words.reshape(*lead, k_pad // NIBBLES, n_pad)
-  packed = words.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
-  g_pad = k_pad // group_size
-  return W4A16Weight(packed=packed, scales=pad(xp.asarray(s).astype(xp.float16), g_pad),
-                     zeros=pad(xp.asarray(z).astype(xp.uint8), g_pad), k=int(k), n=int(n),
+    _check_nibbles("z", z)
+  return W4A16Weight(packed=pack_q(q, xp=xp), scales=pad_groups(s, k, group_size, xp.float16, xp=xp),
+                     zeros=pad_groups(z, k, group_size, xp.uint8, xp=xp), k=int(k), n=int(n),
                      group_size=int(group_size))
 
 

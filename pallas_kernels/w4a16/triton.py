@@ -22,6 +22,7 @@ valid rows, so padding rows of a block are neither written nor read downstream. 
 (and gates) after the kernel.
 
 decode = "jnp" (shift/and/or/truncate in jnp; what interpret mode runs) or "ptx" (inline PTX, _nibble_asm).
+lazy = decode each plane right before its product instead of all eight planes of a chunk first.
 """
 from __future__ import annotations
 
@@ -45,17 +46,15 @@ _MAGIC_BITS = 0x4300
 
 # Defaults from the H200 sweeps in NOTES.md: the grouped (MoE) kernels ran best with 8 warps; the dense ones with
 # 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
-DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None)
+DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None,
+                      lazy=False)
 MOE_CONFIG = dict(num_warps=8)
 
 
-def _decode_jnp(words: jax.Array) -> list[jax.Array]:
-  """int32 [G, 16] -> 8 bf16 [G, 16]: plane j = 128 + nibble j."""
-  planes = []
-  for j in range(layout.NIBBLES):
-    v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
-    planes.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16))
-  return planes
+def _plane_jnp(words: jax.Array, j: int) -> jax.Array:
+  """int32 [32, BN] -> bf16 [32, BN]: 128 + nibble j."""
+  v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
+  return lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16)
 
 
 def _nibble_asm(j: int) -> str:
@@ -70,19 +69,19 @@ def _nibble_asm(j: int) -> str:
           + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
 
 
-def _decode_ptx(words: jax.Array) -> list[jax.Array]:
+def _plane_ptx(words: jax.Array, j: int) -> jax.Array:
   # One asm call per nibble: this jax version's Triton lowering of elementwise_inline_asm returns one result.
-  return [pltriton.elementwise_inline_asm(
+  return pltriton.elementwise_inline_asm(
       _nibble_asm(j), args=[words], constraints="=r,r,r", pack=2,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)])[0] for j in range(layout.NIBBLES)]
+      result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)])[0]
 
 
 def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *,
             block_m: int, block_n: int, group: int, k: int, n_chunks: int, chunks_per_split: int, gated: bool,
-            up_offset: int, weighted: bool, split: bool, decode: str):
+            up_offset: int, weighted: bool, split: bool, decode: str, lazy: bool):
   b, p, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   expert = block_expert_ref[b]
-  decode_fn = _decode_ptx if decode == "ptx" else _decode_jnp
+  plane_fn = _plane_ptx if decode == "ptx" else _plane_jnp
   planes_per_group = group // layout.PLANE_K if group >= layout.PLANE_K else 1
   groups_per_chunk = layout.CHUNK_K // group
 
@@ -107,10 +106,11 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
       for acc, col in zip(accs, cols):
         words = pltriton.load(w_ref.at[expert, pl.ds(c * layout.PLANE_K, layout.PLANE_K), pl.ds(col, block_n)],
                               eviction_policy="evict_first")                             # [32, BN]
-        planes = decode_fn(words)
+        # lazy: decode each plane just before its product (one decoded plane live: fewer registers)
+        planes = None if lazy else [plane_fn(words, j) for j in range(layout.NIBBLES)]
         for gi in range(groups_per_chunk):
           js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
-          d = sum(pltriton.dot(xs[j], planes[j]) for j in js)                             # [bm, BN] f32
+          d = sum(pltriton.dot(xs[j], plane_fn(words, j) if lazy else planes[j]) for j in js)  # [bm, BN] f32
           xsum = sum(xsums[j] for j in js)
           g = c * groups_per_chunk + gi
           sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
@@ -161,7 +161,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   split = splits > 1
   kernel = functools.partial(
       _kernel, block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
-      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"])
+      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"],
+      lazy=bool(cfg["lazy"]))
   if split:
     out_shape = jax.ShapeDtypeStruct((splits, nb * block_m, w.n_pad), jnp.float32)
   else:

@@ -89,6 +89,22 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
       print(rows[-1], flush=True)
 
 
+def bench_routing(rows, ts):
+  """The MoE's XLA-side work alone: grouping pairs by expert (routing.align) and the weighted sum (combine)."""
+  e, d, k = MOE["experts"], MOE["hidden"], MOE["top_k"]
+  for t in ts:
+    bm = api.default_block_m(t, k, e)
+    sets = [routing.uniform_random(jax.random.key(300 + s), t, e, k) for s in range(2)]
+    f_align = jax.jit(lambda ids, wts: routing.align(ids, wts, e, bm))
+    t_align = time_calls(f_align, sets, max_calls=500)
+    rts = [f_align(*s) for s in sets]
+    ys = [jax.random.normal(jax.random.key(s), (rt.num_blocks * bm, d), jnp.float32) for s, rt in enumerate(rts)]
+    f_comb = jax.jit(routing.combine)
+    t_comb = time_calls(f_comb, list(zip(ys, rts)), max_calls=500)
+    rows.append(dict(op="routing", t=t, block_m=bm, align_us=t_align * 1e6, combine_us=t_comb * 1e6))
+    print(rows[-1], flush=True)
+
+
 def check_exact_small(rows):
   """Float64 NumPy reference on a small odd shape, on the GPU kernel (catches layout/decode errors)."""
   rng = np.random.default_rng(0)
@@ -100,10 +116,11 @@ def check_exact_small(rows):
   xb = jnp.asarray(x, jnp.bfloat16)
   wd = (q - np.repeat(z, g, 0)) * np.repeat(s.astype(np.float64), g, 0)
   ref = np.asarray(xb, np.float64) @ wd
-  for decode in ("ptx", "jnp"):
-    y = api.w4a16_matmul(xb, w, backend="triton", config=dict(decode=decode))
+  for decode, lazy in (("ptx", False), ("jnp", False), ("ptx", True)):
+    y = api.w4a16_matmul(xb, w, backend="triton", config=dict(decode=decode, lazy=lazy))
     err = float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
-    rows.append(dict(op="check_f64", decode=decode, m=m, k=k, n=n, max_err_rel_to_max=err, ok=err < 8e-3))
+    rows.append(dict(op="check_f64", decode=decode, lazy=lazy, m=m, k=k, n=n, max_err_rel_to_max=err,
+                     ok=err < 8e-3))
     print(rows[-1], flush=True)
 
 
@@ -113,7 +130,10 @@ def main(argv=None):
   ap.add_argument("--commit", default=None)
   ap.add_argument("--quick", action="store_true", help="fewer shapes")
   ap.add_argument("--sweep", action="store_true", help="time kernel configurations first")
-  ap.add_argument("--ops", nargs="+", default=["moe", "dense"], choices=["moe", "dense"])
+  ap.add_argument("--sweep-configs", default=None,
+                  help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"lazy": true}]\'')
+  ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
+  ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
   args = ap.parse_args(argv)
   commit = args.commit
   if commit is None:
@@ -136,10 +156,13 @@ def main(argv=None):
   check_exact_small(rows)
   save()
   if args.sweep:
-    for cfg in [dict(), dict(num_warps=2), dict(num_warps=8), dict(block_n=256), dict(block_n=256, num_warps=8),
-                dict(block_n=64, num_warps=8), dict(num_stages=1), dict(block_n=256, num_warps=2)]:
+    configs = (json.loads(args.sweep_configs) if args.sweep_configs else
+               [dict(), dict(num_warps=2), dict(num_warps=8), dict(block_n=256), dict(block_n=256, num_warps=8),
+                dict(block_n=64, num_warps=8), dict(num_stages=1), dict(block_n=256, num_warps=2)])
+    sweep_ts = tuple(int(t) for t in args.sweep_ts.split(","))
+    for cfg in configs:
       sweep_rows = []
-      bench_moe(sweep_rows, ceiling, (64,), (64,), (), config=cfg, check_ts=())
+      bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1])
       bench_dense(sweep_rows, ceiling, (16,), True, config=cfg, check=False)
       for r in sweep_rows:
         r["sweep"] = True
@@ -151,13 +174,18 @@ def main(argv=None):
     save()
   if "dense" in args.ops:
     bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick)
+  if "routing" in args.ops:
+    bench_routing(rows, (1, 16, 64, 256))
   save()
 
   print(f"\n{dev.device_kind}, jax {jax.__version__}, commit {commit}, copy {ceiling:.0f} GB/s")
   print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8}")
   for r in rows:
     if r["op"] == "check_f64":
-      print(f"check  decode={r['decode']:4} max err {r['max_err_rel_to_max']:.2e} ok={r['ok']}")
+      print(f"check  decode={r['decode']:4} lazy={r['lazy']} max err {r['max_err_rel_to_max']:.2e} ok={r['ok']}")
+      continue
+    if r["op"] == "routing":
+      print(f"routing T{r['t']} block_m {r['block_m']}: align {r['align_us']:.1f} us, combine {r['combine_us']:.1f} us")
       continue
     shape = (f"T{r['t']} g{r['group']} E{r['experts_used']:.0f}" if r["op"] == "moe"
              else f"{r['k']}x{r['n']} M{r['m']}")

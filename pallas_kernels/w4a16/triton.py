@@ -22,8 +22,6 @@ valid rows, so padding rows of a block are neither written nor read downstream. 
 (and gates) after the kernel.
 
 decode = "jnp" (shift/and/or/truncate in jnp; what interpret mode runs) or "ptx" (inline PTX, _nibble_asm).
-lazy = decode each plane right before its product instead of all eight planes of a chunk first.
-sz_tile = load a chunk's scales and zeros as one [groups, BN] tile each (instead of one [1, BN] load per group).
 """
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ _MAGIC_BITS = 0x4300
 
 # Defaults from the H200 sweeps in NOTES.md: the grouped (MoE) kernels ran best with 8 warps; the dense ones with
 # 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
-DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None,
-                      lazy=False, sz_tile=False)
+DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None)
 MOE_CONFIG = dict(num_warps=8)
 
 
@@ -79,7 +76,7 @@ def _plane_ptx(words: jax.Array, j: int) -> jax.Array:
 
 def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *,
             block_m: int, block_n: int, group: int, k: int, n_chunks: int, chunks_per_split: int, gated: bool,
-            up_offset: int, weighted: bool, split: bool, decode: str, lazy: bool, sz_tile: bool):
+            up_offset: int, weighted: bool, split: bool, decode: str):
   b, p, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   expert = block_expert_ref[b]
   plane_fn = _plane_ptx if decode == "ptx" else _plane_jnp
@@ -107,24 +104,14 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
       for acc, col in zip(accs, cols):
         words = pltriton.load(w_ref.at[expert, pl.ds(c * layout.PLANE_K, layout.PLANE_K), pl.ds(col, block_n)],
                               eviction_policy="evict_first")                             # [32, BN]
-        # lazy: decode each plane just before its product (one decoded plane live: fewer registers)
-        planes = None if lazy else [plane_fn(words, j) for j in range(layout.NIBBLES)]
-        if sz_tile:     # the chunk's scales and zeros in one load each: [groups, BN]
-          gs = pl.ds(c * groups_per_chunk, groups_per_chunk)
-          sc_t = s_ref[expert, gs, pl.ds(col, block_n)].astype(jnp.float32)
-          zo_t = (z_ref[expert, gs, pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc_t
-          g_iota = lax.broadcasted_iota(jnp.int32, (groups_per_chunk, block_n), 0)
+        planes = [plane_fn(words, j) for j in range(layout.NIBBLES)]
         for gi in range(groups_per_chunk):
           js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
-          d = sum(pltriton.dot(xs[j], plane_fn(words, j) if lazy else planes[j]) for j in js)  # [bm, BN] f32
+          d = sum(pltriton.dot(xs[j], planes[j]) for j in js)                             # [bm, BN] f32
           xsum = sum(xsums[j] for j in js)
-          if sz_tile:   # row gi of the register tiles
-            sc = jnp.sum(jnp.where(g_iota == gi, sc_t, 0.0), axis=0, keepdims=True)            # [1, BN]
-            zo = jnp.sum(jnp.where(g_iota == gi, zo_t, 0.0), axis=0, keepdims=True)
-          else:
-            g = c * groups_per_chunk + gi
-            sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
-            zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc
+          g = c * groups_per_chunk + gi
+          sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
+          zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc
           acc = acc + d * sc - xsum * zo
         new.append(acc)
       return tuple(new)
@@ -171,8 +158,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   split = splits > 1
   kernel = functools.partial(
       _kernel, block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
-      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"],
-      lazy=bool(cfg["lazy"]), sz_tile=bool(cfg["sz_tile"]) and w.group_size < layout.CHUNK_K)
+      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"])
   if split:
     out_shape = jax.ShapeDtypeStruct((splits, nb * block_m, w.n_pad), jnp.float32)
   else:

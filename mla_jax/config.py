@@ -12,11 +12,12 @@ for every published DeepSeek-V2/V3 checkpoint): `scoring_func`/`topk_method` for
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
 from typing import Any
+
+from mla_jax.checkpoint.errors import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +156,9 @@ class ModelConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
         cfg_path = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{cfg_path} not found: expected a Hugging Face model directory with config.json")
-        with open(cfg_path) as f:
-            return cls.from_hf_dict(json.load(f))
+            raise FileNotFoundError(f"{cfg_path} not found: expected a Hugging Face model directory with config.json; "
+                                    "give the directory that holds the model's config.json")
+        return cls.from_hf_dict(read_json(cfg_path, "the model's config.json"))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":

@@ -9,7 +9,9 @@ generated tokens, output tok/s, time to first token). Sampling defaults come fro
 generation_config.json (temperature, top_p, top_k) when it has one, else greedy; flags override them
 (mla_jax.SamplingParams.from_generation_config).
 Exit status: 0 on success; 1 if a request failed (its reason is printed, the other requests still run);
-2 if the engine cannot be built as asked (e.g. --attention-backend mosaic_sm90 on a CPU: the reason is printed).
+2 on bad input, reported on one line before any model is loaded where it can be (flags, prompts), else once the
+engine cannot be built as asked (a missing or corrupt checkpoint file, --attention-backend mosaic_sm90 on a CPU:
+the file or reason is named). --verbose adds the traceback and INFO logging.
 """
 from __future__ import annotations
 
@@ -20,15 +22,20 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
+from mla_jax.checkpoint.files import resolve_model_dir
+from mla_jax.cli import USER_ERRORS, GenerationProgress, configure_logging, report_error
+from mla_jax.engine.params import SamplingParams
+from mla_jax.engine.text import Tokenizer
+
+DEFAULT_MODEL = "tiny-deepseek-py"      # the embedded model, by name (mla_jax.checkpoint.files.EMBEDDED_MODELS)
 DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL,
-                    help="HF-format model directory (default: the embedded model checkpoints/tiny-deepseek-py)")
+                    help="HF-format or converted model directory, or the name of an embedded model (default: "
+                         f"{DEFAULT_MODEL}, checkpoints/{DEFAULT_MODEL})")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     ap.add_argument("--prompts-file", help="a file with one prompt per line (or a JSON list of strings)")
     ap.add_argument("--prompt-token-ids", action="append", default=None,
@@ -58,17 +65,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     ap.add_argument("--stream", action="store_true", help="print text as it is generated")
-    ap.add_argument("--verbose", action="store_true", help="INFO logging")
+    ap.add_argument("--verbose", action="store_true", help="INFO logging; tracebacks with errors")
     return ap.parse_args(argv)
 
 
-def read_prompts(args, tokenizer) -> list:
+def check_args(args) -> None:
+    """Flag values the engine would reject only after loading the model."""
+    for flag, value, low in (("--max-tokens", args.max_tokens, 0), ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--tensor-parallel-size", args.tensor_parallel_size, 1),
+                             ("--max-model-len", args.max_model_len, 1), ("--num-processes", args.num_processes, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value}: must be >= {low}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id {args.process_id}: must be in [0, --num-processes {args.num_processes})")
+
+
+def read_prompts(args, tokenizer) -> tuple[list, list]:
+    """(prompts for the engine: text or token ids, prompts as shown: with --chat the rendered template text)."""
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file) as f:
             text = f.read()
         if args.prompts_file.endswith(".json"):
-            loaded = json.loads(text)
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.prompts_file} is not valid JSON ({e}); a .json prompts file holds a list "
+                                 "of strings") from None
             if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
                 raise ValueError(f"{args.prompts_file}: a .json prompts file must hold a list of strings")
             prompts += loaded
@@ -81,22 +104,33 @@ def read_prompts(args, tokenizer) -> list:
             raise ValueError(f"--prompt-token-ids {ids!r}: give comma-separated integers") from None
     if not prompts:
         prompts = list(DEFAULT_PROMPTS)
+    if any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json, so text prompts cannot be encoded; pass "
+                         "--prompt-token-ids")
+    shown = list(prompts)
     if args.chat:
-        if tokenizer is None:
-            raise ValueError("--chat needs a tokenizer (tokenizer.json) in the model directory")
-        prompts = [p if not isinstance(p, str) else
-                   tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]),
-                                    add_special_tokens=False) for p in prompts]
-    return prompts
+        shown = [p if not isinstance(p, str) else tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                 for p in prompts]
+        prompts = [s if not isinstance(s, str) else tokenizer.encode(s, add_special_tokens=False) for s in shown]
+    return prompts, shown
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.model == DEFAULT_MODEL and not os.path.isdir(DEFAULT_MODEL):
-        print(f"error: the embedded default model {DEFAULT_MODEL} is missing from this checkout; pass --model",
-              file=sys.stderr)
-        return 2
+    configure_logging(args.verbose)
+    # Everything that can be checked without the model is checked first: flags, prompts, sampling parameters.
+    try:
+        check_args(args)
+        args.model = resolve_model_dir(args.model)
+        if not os.path.isdir(args.model):
+            raise FileNotFoundError(f"model directory {args.model!r} does not exist (give an HF-format or converted "
+                                    f"model directory, or the name of an embedded model: {DEFAULT_MODEL})")
+        prompts, shown = read_prompts(args, Tokenizer.from_dir(args.model))
+        flags = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+        params = SamplingParams.from_generation_config(args.model, max_tokens=args.max_tokens,
+                                                       ignore_eos=args.ignore_eos, **flags)
+    except USER_ERRORS as e:
+        return report_error(e, args.verbose)
 
     if args.coordinator_address is not None:      # before anything touches a jax device
         from mla_jax import sharding
@@ -111,21 +145,11 @@ def main(argv=None) -> int:
                           max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                           interpret=args.interpret, seed=args.seed,
                           data_parallel_attention=args.data_parallel_attention)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return report_error(e, args.verbose)
     t_loaded = time.perf_counter()
     print(f"attention backend: {llm.backend} ({llm.backend_reason}); kv cache {llm.kv_cache_dtype}; "
           f"device {jax.devices()[0].device_kind}; model loaded in {t_loaded - t_start:.1f} s", flush=True)
-
-    try:
-        prompts = read_prompts(args, llm.tokenizer)
-        flags = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
-        params = mla_jax.SamplingParams.from_generation_config(args.model, max_tokens=args.max_tokens,
-                                                               ignore_eos=args.ignore_eos, **flags)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
     t0 = time.perf_counter()
     outputs = None
@@ -137,8 +161,7 @@ def main(argv=None) -> int:
     focus = 0
 
     def header(i):
-        shown = prompts[i] if isinstance(prompts[i], str) else list(prompts[i])
-        print(f"\n=== [{i}] prompt: {shown!r}", flush=True)
+        print(f"\n=== [{i}] prompt: {shown[i]!r}", flush=True)
 
     def advance():
         nonlocal focus
@@ -155,17 +178,22 @@ def main(argv=None) -> int:
     if args.stream and n:
         header(0)
     counts = [0] * n
+    progress = None if args.stream else GenerationProgress(n)     # finished / total and tok/s, on a terminal
     for ev in llm.generate_stream(prompts, params):
         if ev.outputs is not None:
             outputs = ev.outputs
             continue
         counts[ev.index] += 1
-        if args.stream:
+        if progress is not None:
+            progress.token(ev.finish_reason is not None)
+        else:
             pending[ev.index].append(ev.text)
             if ev.finish_reason is not None:
                 finished[ev.index] = f"\n--- finish_reason={ev.finish_reason} tokens={counts[ev.index]}"
             advance()
     elapsed = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
 
     failed = sum(o.error is not None for o in outputs)
     for o in outputs:

@@ -1,6 +1,7 @@
 """Checkpoints: reading them into the model, and the converted format.
 
-    files.py      filesystem helpers and generation_config.json (standard library only)
+    errors.py     CheckpointError (file, problem, fix) and the guarded readers: JSON, safetensors, orbax failures
+    files.py      filesystem helpers, generation_config.json, the embedded model by name
     targets.py    ParamTarget: where one checkpoint tensor goes in the model
     hf.py         Hugging Face safetensors: the tensor-name table (hf_param_map) and load_hf_weights
     converted.py  our converted (orbax) format: convert_checkpoint, load_converted

@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from mla_jax.checkpoint.errors import RECONVERT, CheckpointError, read_json, restore_error
 from mla_jax.checkpoint.files import replace_dir
 from mla_jax.checkpoint.hf import hf_param_map, load_hf_weights, read_tensor_index, resolve_dtype
 from mla_jax.config import ModelConfig
@@ -61,10 +62,10 @@ def is_converted(path) -> bool:
     if not os.path.isfile(mpath):
         return False
     try:
-        with open(mpath) as f:
+        with open(mpath, encoding="utf-8") as f:
             return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+    except (ValueError, AttributeError) as e:    # invalid JSON or UTF-8, or not an object
+        raise CheckpointError(mpath, f"cannot be parsed ({e})", RECONVERT) from e
 
 
 def param_name(path: tuple) -> str:
@@ -266,9 +267,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
     if sharding_for is not None and (put is not None or verify_checksums):
         raise ValueError("load_converted: with sharding_for, pass no put and verify_checksums=False (no process "
                          "sees a whole sharded array, so its crc32 cannot be checked)")
-    path = os.fspath(path)
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
+    path = os.path.abspath(os.fspath(path))     # orbax takes absolute paths only
+    manifest = read_json(os.path.join(path, MANIFEST), "the converted checkpoint's manifest.json")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r}"
                          f" is not {FORMAT!r} version {VERSION}; re-run scripts/convert.py")
@@ -298,7 +298,10 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
 def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
                 put: Callable[[tuple, np.ndarray], jax.Array], checksum_pool: Optional[ThreadPoolExecutor]) -> None:
     """One group read to the host, checked against the manifest (and crc32 with a pool), unpacked and put."""
-    arrays = _restore_group(gdir, names)
+    try:
+        arrays = _restore_group(gdir, names)
+    except Exception as e:
+        raise restore_error(gdir, e) from e
     for name in names:
         a, e = arrays[name], entries[name]
         want_shape, want_dtype = tuple(e["shape"]), e["dtype"]
@@ -311,9 +314,9 @@ def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str],
         sums = dict(zip(names, checksum_pool.map(lambda n: crc32(arrays[n]), names)))
         for name in names:
             if sums[name] != entries[name]["crc32"]:
-                raise ValueError(f"converted checkpoint {path}: tensor {name!r} fails its checksum (crc32 "
-                                 f"{sums[name]:#010x}, manifest {entries[name]['crc32']:#010x}); the file "
-                                 f"is corrupt or was modified — re-run scripts/convert.py")
+                raise CheckpointError(gdir, f"tensor {name!r} fails its checksum (crc32 {sums[name]:#010x}, "
+                                      f"manifest {entries[name]['crc32']:#010x}): the data is corrupt or was "
+                                      f"modified", RECONVERT)
     for name in names:
         p, want = params[name]
         a = arrays.pop(name)
@@ -345,7 +348,10 @@ def _load_group_sharded(model, params: dict, entries: dict, gdir: str, names: li
                                  "with a device count that divides that")
         stored[name] = (shape, dtype, sharding)
         args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
-    arrays = ocp.PyTreeCheckpointer().restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
+    try:
+        arrays = ocp.PyTreeCheckpointer().restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
+    except Exception as e:
+        raise restore_error(gdir, e) from e
     for name in names:
         p, want = params[name]
         a = arrays.pop(name)

@@ -11,7 +11,6 @@ device. Its slice-reading hook builds each parameter from slices instead (checkp
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -23,8 +22,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
+from mla_jax.checkpoint.errors import CheckpointError, open_safetensors, read_json
 from mla_jax.checkpoint.targets import ParamTarget
 from mla_jax.config import ModelConfig
 from mla_jax.quant.awq import awq_linear_targets
@@ -108,12 +107,15 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
     path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index, "the checkpoint's shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(index, "has no \"weight_map\" object of tensor name -> shard file",
+                                  "download the index again, or remove it to load every *.safetensors file")
         files = sorted(set(weight_map.values()))
         missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
         if missing:
-            raise FileNotFoundError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+            raise FileNotFoundError(f"{index} names {len(missing)} shard(s) that are not in {path}: "
+                                    f"{', '.join(missing)}; download the missing shard(s) into that directory")
         return [os.path.join(path, fn) for fn in files]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
@@ -121,7 +123,8 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path} (expected model.safetensors or "
-                                f"model.safetensors.index.json)")
+                                f"model.safetensors.index.json); download the weights into that directory, or "
+                                f"give the directory that holds them")
     return [os.path.join(path, fn) for fn in files]
 
 
@@ -129,7 +132,7 @@ def read_tensor_index(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int
     """tensor name -> (file, shape, safetensors dtype), from headers only (no tensor data is read)."""
     out: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for fn in safetensors_files(path):
-        with safe_open(fn, framework="numpy") as f:
+        with open_safetensors(fn) as f:
             for name in f.keys():
                 sl = f.get_slice(name)
                 if name in out:
@@ -259,7 +262,7 @@ def _stream_tensors(model: nnx.Module, targets: dict[str, ParamTarget], to_load:
             parts_of[t.path] = parts_of.get(t.path, 0) + 1
 
     for fn, names in by_file.items():  # files in index order (read_tensor_index walked safetensors_files)
-        with safe_open(fn, framework="numpy") as f:
+        with open_safetensors(fn) as f:
             for name in names:
                 t = targets[name]
                 arr = _convert(f.get_tensor(name), to_load[name][2], t, model_dtype, name)
@@ -298,7 +301,7 @@ def _assemble_from_slices(model: nnx.Module, targets: dict[str, ParamTarget], to
         def read(name: str, idx: tuple | None) -> np.ndarray:
             fn = to_load[name][0]
             if fn not in files:
-                files[fn] = stack.enter_context(safe_open(fn, framework="numpy"))
+                files[fn] = stack.enter_context(open_safetensors(fn))
             sl = files[fn].get_slice(name)
             return sl[idx] if idx is not None else sl[:]
 

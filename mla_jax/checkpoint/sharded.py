@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from mla_jax.checkpoint.converted import is_converted, load_converted
+from mla_jax.checkpoint.files import load_progress, resolve_model_dir
 from mla_jax.checkpoint.hf import load_hf_weights, resolve_dtype
 from mla_jax.config import ModelConfig
 from mla_jax.model.transformer import DeepseekV3
@@ -29,7 +30,7 @@ def load_sharded(path, plan: ShardingPlan, dtype="float32"):
     directly (jax.make_array_from_callback over safetensors slices), so no process holds a full copy of a sharded
     weight, and with several processes each reads only what its own devices hold. Same checks as
     mla_jax.load_model (names, shapes, dtypes)."""
-    path = os.fspath(path)
+    path = resolve_model_dir(path)         # a path, or the name of an embedded model
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory; expected an HF model directory with config.json")
     if is_converted(path):
@@ -39,11 +40,14 @@ def load_sharded(path, plan: ShardingPlan, dtype="float32"):
     jdtype = resolve_dtype(dtype)
     model = nnx.eval_shape(lambda: DeepseekV3(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
 
-    def from_slices(param_path, shape, dtype, read_slice):
-        sharding = plan.sharding(plan.param_spec(path_str(param_path), shape))
-        return jax.make_array_from_callback(shape, sharding, read_slice, dtype=dtype)
+    with load_progress(path, len(nnx.to_flat_state(nnx.state(model)))) as bar:
+        def from_slices(param_path, shape, dtype, read_slice):
+            sharding = plan.sharding(plan.param_spec(path_str(param_path), shape))
+            out = jax.make_array_from_callback(shape, sharding, read_slice, dtype=dtype)
+            bar.update(1)
+            return out
 
-    load_hf_weights(model, cfg, path, from_slices=from_slices)
+        load_hf_weights(model, cfg, path, from_slices=from_slices)
     return model, cfg
 
 

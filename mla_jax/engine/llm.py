@@ -27,7 +27,7 @@ import numpy as np
 
 import pallas_kernels
 from mla_jax import sharding
-from mla_jax.checkpoint.files import read_generation_config
+from mla_jax.checkpoint.files import read_generation_config, resolve_model_dir
 from mla_jax.checkpoint.load import load_model
 from mla_jax.checkpoint.sharded import load_sharded
 from mla_jax.config import ModelConfig
@@ -81,7 +81,7 @@ class LLM:
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False):
-        path = os.fspath(model)
+        path = resolve_model_dir(model)       # a path, or the name of an embedded model ("tiny-deepseek-py")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
                                     "config.json and *.safetensors, or one written by scripts/convert.py)")

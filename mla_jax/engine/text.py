@@ -20,6 +20,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from mla_jax.checkpoint.errors import CheckpointError, read_json
 from mla_jax.checkpoint.files import read_generation_config
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
@@ -38,17 +39,6 @@ def _token_content(value: Any, field: str, path: str) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise ValueError(f"{path}: {field} must be a string or an object with a 'content' string, got {value!r}")
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or remove the file") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _select_chat_template(value: Any, path: str) -> str | None:
@@ -143,9 +133,10 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(tok_path)
         except Exception as e:  # tokenizers raises a plain Exception on malformed files
-            raise ValueError(f"{tok_path} could not be read by the `tokenizers` library: {e}") from e
+            raise CheckpointError(tok_path, f"cannot be read by the `tokenizers` library ({e})",
+                                  "download tokenizer.json again (or remove it to pass prompts as token ids)") from e
         cfg_path = os.path.join(path, "tokenizer_config.json")
-        cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+        cfg = read_json(cfg_path, "tokenizer_config.json") if os.path.isfile(cfg_path) else {}
         gen_eos = read_generation_config(path).get("eos_token_id")
         extra_eos: list[int] = []
         if isinstance(gen_eos, int):

@@ -28,6 +28,7 @@ from typing import Iterable, Optional, Sequence
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors.numpy reads bf16 checkpoints)
 import numpy as np
 
+from mla_jax.checkpoint.errors import load_safetensors, read_json
 from mla_jax.checkpoint.files import replace_dir
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble slot k holds logical column AWQ_PACK_ORDER[k]
@@ -141,8 +142,7 @@ def pack_linear(weight: np.ndarray, group_size: int) -> dict:
 def _weight_files(src_dir: str) -> list[str]:
     index = os.path.join(src_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+        return sorted(set(read_json(index, "the checkpoint's shard index")["weight_map"].values()))
     if os.path.exists(os.path.join(src_dir, "model.safetensors")):
         return ["model.safetensors"]
     raise FileNotFoundError(f"{src_dir} holds neither model.safetensors nor model.safetensors.index.json")
@@ -171,8 +171,7 @@ def quantize_checkpoint(
     if os.path.exists(dst_dir):
         if not force:
             raise FileExistsError(f"{dst_dir} exists; pass force=True to overwrite it")
-    with open(os.path.join(src_dir, "config.json")) as f:
-        config = json.load(f)
+    config = read_json(os.path.join(src_dir, "config.json"), "the model's config.json")
     if config.get("quantization_config"):
         raise ValueError(f"{src_dir} is already quantized ({config['quantization_config'].get('quant_method')})")
     files = _weight_files(src_dir)
@@ -187,11 +186,11 @@ def quantize_checkpoint(
 
 
 def _write_quantized(src_dir, dst_dir, final_dir, files, config, group_size, modules_to_not_convert) -> dict:
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     weight_map = {}
     for fname in files:
-        tensors = load_file(os.path.join(src_dir, fname))
+        tensors = load_safetensors(os.path.join(src_dir, fname))
         out = {}
         for name, t in tensors.items():
             module, _, leaf = name.rpartition(".")

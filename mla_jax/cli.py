@@ -1,0 +1,82 @@
+"""What the command-line scripts (scripts/generate.py, scripts/convert.py) share: library logging kept quiet, bad
+input reported as one line, and the progress bar of a batch of requests. Imports no jax, so a script can check
+its arguments before jax starts.
+
+    configure_logging(verbose)   our loggers and the libraries' (absl/orbax, jax, tensorstore) at WARNING, or INFO
+                                 with --verbose
+    report_error(exc, verbose)   "error: ..." on one line of stderr (the traceback first with --verbose); returns 2
+    USER_ERRORS                  the exceptions that mean bad input (a file, a flag) rather than a bug
+    GenerationProgress           requests finished / total and output tok/s, on a terminal only
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+
+from tqdm import tqdm
+
+# Bad input: a missing or corrupt file (mla_jax.checkpoint.errors.CheckpointError is a ValueError), a flag the
+# engine cannot honour. Anything else is a bug in mla_jax and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+# Loggers of libraries that log INFO lines a user did not ask for (orbax logs through absl: ~80 lines a convert).
+LIBRARY_LOGGERS = ("absl", "orbax", "jax", "jaxlib", "tensorstore", "flax")
+# Library argument names that error messages mention -> the script flag that sets them.
+FLAG_FOR_ARGUMENT = {"interpret=True": "--interpret", "backend='auto'": "--attention-backend auto"}
+
+
+def configure_logging(verbose: bool) -> None:
+    """INFO from everything with verbose, else WARNING and above only (also from the libraries above)."""
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+def error_line(exc: BaseException) -> str:
+    """'error: <message>' on one line, library argument names replaced by the script's flags."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    for argument, flag in FLAG_FOR_ARGUMENT.items():
+        text = text.replace(argument, flag)
+    return f"error: {text}"
+
+
+def report_error(exc: BaseException, verbose: bool) -> int:
+    """Prints the error as one line on stderr (after its traceback when verbose); returns exit status 2."""
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    else:
+        sys.stderr.flush()
+    print(error_line(exc), file=sys.stderr, flush=True)
+    return 2
+
+
+class GenerationProgress:
+    """A progress bar over a batch of requests: finished / total and generated tok/s since the start. Shown on a
+    terminal only (tqdm's disable=None), so piped output and logs stay clean; gone when closed."""
+
+    def __init__(self, total: int, desc: str = "generating"):
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=None, leave=False, file=sys.stderr)
+        self.tokens = 0
+        self.t0 = self._shown = time.perf_counter()
+
+    def token(self, finished: bool) -> None:
+        """One generated token; finished: it was its request's last."""
+        self.tokens += 1
+        now = time.perf_counter()
+        if finished:
+            self.bar.update(1)
+        if now - self._shown >= 0.5:            # at most two redraws a second
+            self._shown = now
+            self.bar.set_postfix_str(f"{self.tokens / (now - self.t0):.1f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> "GenerationProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

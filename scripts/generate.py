@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from mla_jax import cli
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
 DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef"]
@@ -27,8 +29,6 @@ DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef"]
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL,
-                    help="HF-format model directory (default: the embedded model checkpoints/tiny-deepseek-py)")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     ap.add_argument("--prompts-file", help="a file with one prompt per line (or a JSON list of strings)")
     ap.add_argument("--prompt-token-ids", action="append", default=None,
@@ -37,20 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config)")
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0, help="engine seed; request i gets a seed derived from it")
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "mosaic_sm90", "triton", "xla"])
-    ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="devices to run over (all of them with several processes): attention heads and experts "
-                         "split over them")
-    ap.add_argument("--data-parallel-attention", action="store_true",
-                    help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
-                         "instead of attention heads (experts stay split)")
+    cli.add_engine_args(ap, default_model=DEFAULT_MODEL)    # --model, --dtype, ..., --max-num-seqs, TP/DP
     ap.add_argument("--coordinator-address", default=None,
                     help="host:port of process 0, to run one process per host (jax.distributed); every process "
                          "runs this same command with its own --process-id and prints the same results")
@@ -106,11 +94,7 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     try:
-        llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                          interpret=args.interpret, seed=args.seed,
-                          data_parallel_attention=args.data_parallel_attention)
+        llm = mla_jax.LLM(args.model, **cli.engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

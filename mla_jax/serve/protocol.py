@@ -36,14 +36,18 @@ def describe_validation_error(e: pydantic.ValidationError) -> RequestError:
     err = e.errors()[0]
     loc = [str(x) for x in err["loc"]]
     # for a union pydantic appends the member it tried ("prompt.str"); the field is what the client sent
-    field = ".".join(p for p in loc if not (p.startswith(("list[", "str", "int", "float", "bool", "function-")))) \
-        or None
+    field = ".".join(p for p in loc if not _is_union_member(p)) or None
     what = f"{field}: " if field else ""
     got = err.get("input")
     shown = repr(got)
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return RequestError(f"{what}{err['msg']} (got {shown})", param=field)
+
+
+def _is_union_member(part: str) -> bool:
+    """pydantic's name for the member of a union it tried: str, int, list[int], TextPart, function-after[...]."""
+    return part in ("str", "int", "float", "bool", "none") or "[" in part or part[:1].isupper()
 
 
 class StreamOptions(BaseModel):

@@ -16,7 +16,9 @@ import openai
 import pytest
 
 import mla_jax
+import mla_jax.cli
 from mla_jax.serve.engine_loop import StopStrings
+from mla_jax.serve import launch
 from mla_jax.serve.launch import ServerThread, build_app
 from mla_jax.serve.metrics import Metrics
 
@@ -99,6 +101,17 @@ def test_stop_strings_match_a_plain_search():
         if not stopped:
             out += checker.flush()
         assert out == expected and stopped == bool(hits), (text, stops)
+
+
+def test_command_line_takes_the_engine_flags_and_exits_2_on_an_impossible_engine(capsys):
+    args = launch.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--tensor-parallel-size", "2", "--max-num-seqs", "4",
+                              "--max-model-len", "128", "--data-parallel-attention", "--port", "9"])
+    assert (args.model, args.port, args.host) == (MODEL, 9, "127.0.0.1")
+    assert mla_jax.cli.engine_kwargs(args) == dict(
+        dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="auto", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=2048, tensor_parallel_size=2, interpret=False, seed=0, data_parallel_attention=True)
+    assert launch.main(["--attention-backend", "mosaic_sm90"]) == 2
+    assert "mosaic_sm90' cannot run" in capsys.readouterr().err
 
 
 def test_metrics_text_format():

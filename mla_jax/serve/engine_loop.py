@@ -164,6 +164,7 @@ class EngineLoop:
         finally:
             self._drain_inbox(block=False)
             for sub in list(self._by_id.values()):
+                self.llm.abort_request(sub.request_id)
                 self._fail(sub, RuntimeError("the server shut down before this request finished"))
             self._publish_gauges()
 

@@ -17,7 +17,7 @@ import pytest
 
 import mla_jax
 import mla_jax.cli
-from mla_jax.serve.engine_loop import StopStrings
+from mla_jax.serve.engine_loop import Delta, Failed, StopStrings, Submission
 from mla_jax.serve import launch
 from mla_jax.serve.launch import ServerThread, build_app
 from mla_jax.serve.metrics import Metrics
@@ -410,3 +410,18 @@ def test_full_queue_answers_503_and_recovers(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     wait_idle(server)
     assert metric(server, "requests_rejected_total", reason="overloaded") >= codes.count(503)
+
+
+def test_close_fails_unfinished_requests_and_frees_pages(server):
+    """Last test of the module: it stops the server's engine loop."""
+    engine, got = server.engine, []
+    ids = engine.llm.validate_prompt("import sys\n")
+    engine.submit(Submission(ids, mla_jax.SamplingParams(max_tokens=200, ignore_eos=True), got.append))
+    deadline = time.monotonic() + 60
+    while not any(isinstance(x, Delta) and x.token_ids for x in got) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.llm.stats()["kv_pages_in_use"] > 0
+    engine.close()
+    assert isinstance(got[-1], Failed) and "shut down" in str(got[-1].error)
+    assert engine.llm.stats()["kv_pages_in_use"] == 0
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 503

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with a Python >= 3.12 and installs mla-jax with its test extra. Idempotent.
+# Creates .venv with a Python >= 3.12 and installs mla-jax with its test, train and serve extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python() {
@@ -16,4 +16,4 @@ if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,train]"
+.venv/bin/python -m pip install -q -e ".[test,train,serve]"

@@ -1,7 +1,9 @@
-"""What the command-line scripts (scripts/generate.py, scripts/convert.py) share: library logging kept quiet, bad
-input reported as one line, and the progress bar of a batch of requests. Imports no jax, so a script can check
-its arguments before jax starts.
+"""What the command-line entry points (scripts/generate.py, scripts/convert.py, the server) share: the engine's
+flags, library logging kept quiet, bad input reported as one line, and the progress bar of a batch of requests.
+Imports nothing from the project and no jax, so a script can check its arguments before jax starts.
 
+    add_engine_args(ap)          --model, --dtype, --kv-cache-dtype, --attention-backend, ..., TP/DP (mla_jax.LLM's)
+    engine_kwargs(args)          mla_jax.LLM keyword arguments from those flags
     configure_logging(verbose)   our loggers and the libraries' (absl/orbax, jax, tensorstore) at WARNING, or INFO
                                  with --verbose
     report_error(exc, verbose)   "error: ..." on one line of stderr (the traceback first with --verbose); returns 2
@@ -10,6 +12,7 @@ its arguments before jax starts.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -17,6 +20,8 @@ import traceback
 
 from tqdm import tqdm
 
+# The embedded model, by name (mla_jax.checkpoint.files.EMBEDDED_MODELS resolves it from any directory).
+DEFAULT_MODEL = "tiny-deepseek-py"
 # Bad input: a missing or corrupt file (mla_jax.checkpoint.errors.CheckpointError is a ValueError), a flag the
 # engine cannot honour. Anything else is a bug in mla_jax and keeps its traceback.
 USER_ERRORS = (ValueError, OSError)
@@ -80,3 +85,36 @@ class GenerationProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---- the engine's flags --------------------------------------------------------------------------------------
+
+def add_engine_args(ap: argparse.ArgumentParser, default_model: str = DEFAULT_MODEL) -> None:
+    """Adds the flags engine_kwargs() reads, plus --model."""
+    ap.add_argument("--model", default=default_model,
+                    help="HF-format or converted model directory, or the name of an embedded model (default: "
+                         f"{default_model}, checkpoints/{DEFAULT_MODEL})")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed; request i gets a seed derived from it")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "mosaic_sm90", "triton", "xla"])
+    ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="prompt tokens per prefill step (the chunk size of chunked prefill)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="devices to run over (all of them with several processes): attention heads and experts "
+                         "split over them")
+    ap.add_argument("--data-parallel-attention", action="store_true",
+                    help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
+                         "instead of attention heads (experts stay split)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """mla_jax.LLM keyword arguments (all but the model path) from flags added by add_engine_args."""
+    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=args.tensor_parallel_size, interpret=args.interpret, seed=args.seed,
+                data_parallel_attention=args.data_parallel_attention)

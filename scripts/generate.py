@@ -23,19 +23,16 @@ import sys
 import time
 
 from mla_jax.checkpoint.files import resolve_model_dir
-from mla_jax.cli import USER_ERRORS, GenerationProgress, configure_logging, report_error
+from mla_jax.cli import (DEFAULT_MODEL, USER_ERRORS, GenerationProgress, add_engine_args, configure_logging,
+                         engine_kwargs, report_error)
 from mla_jax.engine.params import SamplingParams
 from mla_jax.engine.text import Tokenizer
 
-DEFAULT_MODEL = "tiny-deepseek-py"      # the embedded model, by name (mla_jax.checkpoint.files.EMBEDDED_MODELS)
 DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL,
-                    help="HF-format or converted model directory, or the name of an embedded model (default: "
-                         f"{DEFAULT_MODEL}, checkpoints/{DEFAULT_MODEL})")
     ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     ap.add_argument("--prompts-file", help="a file with one prompt per line (or a JSON list of strings)")
     ap.add_argument("--prompt-token-ids", action="append", default=None,
@@ -44,20 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config)")
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0, help="engine seed; request i gets a seed derived from it")
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "mosaic_sm90", "triton", "xla"])
-    ap.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="devices to run over (all of them with several processes): attention heads and experts "
-                         "split over them")
-    ap.add_argument("--data-parallel-attention", action="store_true",
-                    help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
-                         "instead of attention heads (experts stay split)")
+    add_engine_args(ap)       # --model, --dtype, ..., --max-num-seqs, TP/DP (mla_jax.cli)
     ap.add_argument("--coordinator-address", default=None,
                     help="host:port of process 0, to run one process per host (jax.distributed); every process "
                          "runs this same command with its own --process-id and prints the same results")
@@ -140,11 +125,7 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     try:
-        llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                          interpret=args.interpret, seed=args.seed,
-                          data_parallel_attention=args.data_parallel_attention)
+        llm = mla_jax.LLM(args.model, **engine_kwargs(args))
     except USER_ERRORS as e:
         return report_error(e, args.verbose)
     t_loaded = time.perf_counter()

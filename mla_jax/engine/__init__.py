@@ -19,6 +19,7 @@ from .params import RequestOutput, SamplingParams
 _EXPORTS = {
     "LLM": "mla_jax.engine.llm",
     "StreamEvent": "mla_jax.engine.llm",
+    "TokenEvent": "mla_jax.engine.llm",
     "EngineWeights": "mla_jax.engine.steps",
     "split_model": "mla_jax.engine.steps",
     "allocate_caches": "mla_jax.engine.steps",

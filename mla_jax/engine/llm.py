@@ -16,6 +16,8 @@ normally. Pass raise_on_error=True to generate() to have it raise the first such
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -146,6 +148,8 @@ class LLM:
         self.interpret = bool(interpret)
         self.seed = seed
         self._num_requests = 0
+        self._live: dict[int, _LiveRequest] = {}      # add_request's requests until step() reports them finished
+        self._live_ids = itertools.count()
         # (kind, requests in the step, padded rows, seconds from scheduling to sampled tokens on the host); prefill
         # steps that sample nothing are not waited for, so they are not recorded. For benchmarks.
         self.step_times: collections.deque = collections.deque(maxlen=1 << 16)
@@ -246,6 +250,9 @@ class LLM:
     def generate_stream(self, prompts, sampling_params=None) -> Iterator["StreamEvent"]:
         """Yields a StreamEvent per generated token (index of the prompt, token id, text delta) and a last event
         whose `outputs` holds every RequestOutput in prompt order."""
+        if self._live:
+            raise RuntimeError(f"{len(self._live)} requests of add_request() are unfinished on this LLM; finish or "
+                               "abort them (step() / abort_request()) before calling generate()")
         t0 = time.perf_counter()
         prompts, params = self._normalize(prompts, sampling_params)
         reqs: list[Request] = []
@@ -284,6 +291,95 @@ class LLM:
             raise
         t1 = time.perf_counter()
         yield StreamEvent(None, None, "", None, outputs=[self._output(r, t0, t1) for r in reqs])
+
+    # ---- incremental API (servers) ---------------------------------------------------------------------------
+    # One request at a time: add_request() queues it, each step() runs one engine step over every unfinished
+    # request (new ones join the running batch between steps: continuous batching) and reports the new tokens.
+    # Not thread-safe: one thread owns the LLM and calls these (validate_prompt excepted).
+
+    def validate_prompt(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, or a ValueError (TypeError for a wrong type) saying why it cannot run: empty,
+        longer than max_model_len, ids outside the vocabulary, text without a tokenizer. Reads only the engine's
+        fixed settings, so any thread may call it."""
+        ids = self._tokenize(prompt)
+        self._validate_prompt(ids)
+        return ids
+
+    def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> int:
+        """Queues one request and returns its id (unique for this LLM). Raises as validate_prompt for a prompt
+        that cannot run (nothing is queued then)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+        if len(self.scheduler.waiting) + len(self.scheduler.running) > len(self._live):
+            raise RuntimeError("a generate() call is in progress on this LLM; add_request() cannot share it")
+        ids = self.validate_prompt(prompt)
+        seed = sampling_params.seed if sampling_params.seed is not None else self._derived_seed()
+        request_id = next(self._live_ids)
+        req = Request(request_id, ids, sampling_params, seed=seed, prompt=prompt if isinstance(prompt, str) else None)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._live[request_id] = _LiveRequest(req, detok)
+        if sampling_params.max_tokens == 0:
+            req.finish_reason = "length"        # reported by the next step(), with no token
+        else:
+            self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stops an unfinished request now and frees its KV-cache pages; step() reports nothing more for it.
+        Returns False when the id is not an unfinished request (already finished, aborted or unknown)."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        req = live.request
+        if req.finish_reason is None:
+            if req in self.scheduler.waiting:
+                self.scheduler.waiting.remove(req)
+            self.scheduler.finish(req, "abort")     # frees its pages
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether step() has more to report for requests of add_request()."""
+        return bool(self._live)
+
+    def step(self) -> list["TokenEvent"]:
+        """Runs one engine step and returns its TokenEvents in order (a request may get several). The last event
+        of a request carries its finish_reason ("stop", "length"); the request is then forgotten."""
+        events = []
+        for request_id, live in list(self._live.items()):
+            if live.request.finish_reason is not None and live.num_reported == 0:    # max_tokens=0
+                del self._live[request_id]
+                events.append(TokenEvent(request_id, None, None, "", live.request.finish_reason))
+        if not self.scheduler.has_unfinished():
+            return events
+        produced = self._step()
+        last_of = {id(req): i for i, (req, _) in enumerate(produced)}
+        for i, (req, token) in enumerate(produced):
+            live = self._live.get(req.request_id)
+            if live is None or live.request is not req:      # aborted while its step ran
+                continue
+            n = live.num_reported
+            if req.output_token_ids[n] != token:
+                raise RuntimeError(f"request {req.request_id}: event token {token} is not output token {n} "
+                                   f"({req.output_token_ids[n]}); _step() broke its contract")
+            live.num_reported += 1
+            text = live.detokenizer.push(token) if live.detokenizer is not None else ""
+            finished = req.finish_reason is not None and last_of[id(req)] == i
+            if finished:
+                if live.detokenizer is not None:
+                    text += live.detokenizer.flush()
+                del self._live[req.request_id]
+            events.append(TokenEvent(req.request_id, token, req.output_logprobs[n], text,
+                                     req.finish_reason if finished else None))
+        return events
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache occupancy now: requests running / waiting, KV pages in use / usable (all
+        devices; the scratch pages excluded)."""
+        usable = self.allocator.num_usable * getattr(self.allocator, "num_devices", 1)
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_pages_in_use": usable - self.allocator.num_free, "kv_pages_usable": usable}
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
@@ -470,6 +566,27 @@ class StreamEvent:
     def __repr__(self):
         return (f"StreamEvent(index={self.index}, token_id={self.token_id}, text={self.text!r}, "
                 f"finish_reason={self.finish_reason})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One token of request `request_id` from LLM.step(): its id, log-probability under the model (before
+    temperature / top-k / top-p), text delta (complete UTF-8 only; "" without a tokenizer), and finish_reason on
+    the request's last event. token_id and logprob are None for a request that finished without a token
+    (max_tokens=0)."""
+
+    request_id: int
+    token_id: Optional[int]
+    logprob: Optional[float]
+    text: str
+    finish_reason: Optional[str]
+
+
+@dataclasses.dataclass
+class _LiveRequest:
+    request: Request
+    detokenizer: Optional[IncrementalDetokenizer]
+    num_reported: int = 0          # tokens step() reported so far
 
 
 def _is_int(x) -> bool:

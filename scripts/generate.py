@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data-parallel-attention", action="store_true",
                     help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
                          "instead of attention heads (experts stay split)")
+    ap.add_argument("--expert-dispatch", default="all_gather", choices=["all_gather", "all_to_all"],
+                    help="over several devices, how tokens reach the routed experts: all_gather (every device sees "
+                         "every token; the reference) or all_to_all (each token goes only to the devices holding "
+                         "its experts)")
     ap.add_argument("--coordinator-address", default=None,
                     help="host:port of process 0, to run one process per host (jax.distributed); every process "
                          "runs this same command with its own --process-id and prints the same results")
@@ -110,7 +114,8 @@ def main(argv=None) -> int:
                           attention_backend=args.attention_backend, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                           interpret=args.interpret, seed=args.seed,
-                          data_parallel_attention=args.data_parallel_attention)
+                          data_parallel_attention=args.data_parallel_attention,
+                          expert_dispatch=args.expert_dispatch)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

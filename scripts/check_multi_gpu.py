@@ -23,9 +23,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# (name, data_parallel_attention, expert_dispatch)
-CONFIGS = (("tp", False, "all_gather"), ("tp", False, "all_to_all"),
-           ("dp_attention", True, "all_gather"), ("dp_attention", True, "all_to_all"))
+# attention mode:expert dispatch
+CONFIGS = ("tp:all_gather", "tp:all_to_all", "dp_attention:all_gather", "dp_attention:all_to_all")
 
 # V3's structure at a small width (heads, experts, groups divisible by 8; the real MLA cache dims)
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
@@ -40,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="simulated CPU devices instead of GPUs")
     ap.add_argument("--phases", nargs="+", choices=("one_process", "multi_process"),
                     default=["one_process", "multi_process"])
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                    help="attention mode (tensor parallel, data-parallel attention) : expert dispatch path")
     ap.add_argument("--quantized", action="store_true", help="AWQ int4 (group 16) routed experts and linears")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--kv-cache-dtype", default="auto")
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
 
 def forwarded(args) -> list:
     """The options a child needs, from the parent's parsed args."""
-    argv = ["--num-devices", str(args.num_devices), "--phases", *args.phases, "--dtype", args.dtype,
+    argv = ["--num-devices", str(args.num_devices), "--phases", *args.phases, "--configs", *args.configs,
+            "--dtype", args.dtype,
             "--kv-cache-dtype", args.kv_cache_dtype, "--attention-backend", args.attention_backend,
             "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
     return argv + ["--cpu"] * args.cpu + ["--quantized"] * args.quantized
@@ -184,14 +186,12 @@ def child(args) -> int:
     if args.child == "one_process":
         results["reference"] = generate(args, cfg, prompts, plan=None)
         results["reference"].update(model=model_info, env=env_info())
-    if args.child == "one_process" and "one_process" not in args.phases:
-        configs = ()
-    else:
-        configs = CONFIGS
+    configs = () if args.child == "one_process" and "one_process" not in args.phases else args.configs
     where = (f"{args.num_devices} processes x 1 device (jax.distributed)" if args.child == "multi_process"
              else f"1 process x {args.num_devices} devices")
-    for mode, dp, dispatch in configs:
-        plan = sharding.ShardingPlan.create(cfg, args.num_devices, dp, expert_dispatch=dispatch)
+    for config in configs:
+        mode, dispatch = config.split(":")
+        plan = sharding.ShardingPlan.create(cfg, args.num_devices, mode == "dp_attention", expert_dispatch=dispatch)
         results[f"{mode}{args.num_devices} {dispatch} [{where}]"] = generate(args, cfg, prompts, plan)
     if args.child == "multi_process":
         jax.distributed.shutdown()

@@ -23,8 +23,9 @@ The islands (`mla_decode`, `write_cache`, `experts`) run their body under `jax.s
 (Pallas kernels on sharded arrays outside shard_map raise; docs/architecture.md §9).
 
 This module knows the model only by its parameter paths and the small `MixtureOfExperts` protocol; of mla_jax it
-imports only mla_jax.expert_parallel (the two dispatch paths of the `experts` island). Loading a checkpoint onto a plan is mla_jax/checkpoint/sharded.py; the engine's page
-pools for data-parallel attention and its memory accounting are mla_jax/engine/pools.py and memory.py.
+imports only mla_jax.expert_parallel (the two dispatch paths of the `experts` island). Loading a checkpoint onto
+a plan is mla_jax/checkpoint/sharded.py; the engine's page pools for data-parallel attention and its memory
+accounting are mla_jax/engine/pools.py and memory.py.
 """
 from __future__ import annotations
 

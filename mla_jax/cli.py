@@ -109,6 +109,10 @@ def add_engine_args(ap: argparse.ArgumentParser, default_model: str = DEFAULT_MO
     ap.add_argument("--data-parallel-attention", action="store_true",
                     help="with --tensor-parallel-size N: split sequences and their KV-cache pages over the devices "
                          "instead of attention heads (experts stay split)")
+    ap.add_argument("--expert-dispatch", default="all_gather", choices=["all_gather", "all_to_all"],
+                    help="over several devices, how tokens reach the routed experts: all_gather (every device sees "
+                         "every token; the reference) or all_to_all (each token goes only to the devices holding "
+                         "its experts)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -117,4 +121,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, interpret=args.interpret, seed=args.seed,
-                data_parallel_attention=args.data_parallel_attention)
+                data_parallel_attention=args.data_parallel_attention, expert_dispatch=args.expert_dispatch)

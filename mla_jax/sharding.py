@@ -22,9 +22,10 @@ constraints in `ShardingPlan.tokens` / `ShardingPlan.replicated`.
 The islands (`mla_decode`, `write_cache`, `experts`) run their body under `jax.shard_map(..., check_vma=False)`
 (Pallas kernels on sharded arrays outside shard_map raise; docs/architecture.md §9).
 
-This module knows the model only by its parameter paths and the small `MixtureOfExperts` protocol; it imports
-no other part of mla_jax. Loading a checkpoint onto a plan is mla_jax/checkpoint/sharded.py; the engine's page
-pools for data-parallel attention and its memory accounting are mla_jax/engine/pools.py and memory.py.
+This module knows the model only by its parameter paths and the small `MixtureOfExperts` protocol; of mla_jax it
+imports only mla_jax.expert_parallel (the two dispatch paths of the `experts` island). Loading a checkpoint onto
+a plan is mla_jax/checkpoint/sharded.py; the engine's page pools for data-parallel attention and its memory
+accounting are mla_jax/engine/pools.py and memory.py.
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels
+from mla_jax import expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -234,20 +235,26 @@ def _cache_page_axis(ndim: int) -> int:
 class ShardingPlan:
     """Where every array of a run lives, and the shard_map islands that need per-device views.
 
-    mesh: 1-D mesh (axis `AXIS`); data_parallel_attention: see the module docstring.
+    mesh: 1-D mesh (axis `AXIS`); data_parallel_attention: see the module docstring; expert_dispatch and
+    expert_capacity_factor: how routed experts reach their devices (mla_jax.expert_parallel).
     """
     mesh: Mesh
     data_parallel_attention: bool = False
+    expert_dispatch: str = "all_gather"                  # mla_jax.expert_parallel.DISPATCHES
+    expert_capacity_factor: Optional[float] = None       # all_to_all rows per peer / own rows (None: 1.0)
 
     @classmethod
     def create(cls, cfg, tensor_parallel_size: int = 1, data_parallel_attention: bool = False,
-               devices: Optional[Sequence[jax.Device]] = None) -> "ShardingPlan":
+               devices: Optional[Sequence[jax.Device]] = None, expert_dispatch: str = "all_gather",
+               expert_capacity_factor: Optional[float] = None) -> "ShardingPlan":
         check_config(cfg, tensor_parallel_size, data_parallel_attention)
-        plan = cls(make_mesh(tensor_parallel_size, devices), bool(data_parallel_attention))
-        logger.info("sharding: %d device(s), attention %s, experts split %s", plan.num_devices,
+        expert_parallel.check_dispatch(expert_dispatch, expert_capacity_factor)
+        plan = cls(make_mesh(tensor_parallel_size, devices), bool(data_parallel_attention), expert_dispatch,
+                   expert_capacity_factor)
+        logger.info("sharding: %d device(s), attention %s, experts split %s (%s dispatch)", plan.num_devices,
                     "data-parallel (sequences and cache pages split)" if plan.data_parallel_attention
                     else "tensor-parallel (heads split, cache replicated)",
-                    "over devices" if cfg.n_routed_experts else "(no routed experts)")
+                    "over devices" if cfg.n_routed_experts else "(no routed experts)", expert_dispatch)
         return plan
 
     # ---- basics ---------------------------------------------------------------------------------------------
@@ -454,40 +461,22 @@ class ShardingPlan:
 
     def experts(self, experts_module, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array, *,
                 scatter_rows: bool = False) -> jax.Array:
-        """Expert-parallel routed experts: Σ_k w[t,k]·expert_{idx[t,k]}(x[t]) with the experts split over devices.
+        """Expert-parallel routed experts: Σ_k w[t,k]·expert_{idx[t,k]}(x[t]) with the experts split over devices,
+        by the plan's `expert_dispatch` (mla_jax.expert_parallel: "all_gather", the reference, or "all_to_all").
 
-        x [T, D], topk_idx / topk_w [T, K], replicated (every device sees every token: that is the dispatch).
-        Each device runs its own E/N experts on the pairs routed to them. Pairs routed elsewhere get weight 0 and
-        the module's `padding_expert_index`: for AWQExperts an out-of-range index its tiling drops (no compute;
-        checked by tests/sharding_8dev_cases.py), for Experts index 0 (a wasted row, still exact). Combine: a sum
-        over devices in fp32 — psum (result replicated) or, with scatter_rows, psum_scatter (device d keeps rows
-        [d·T/N, (d+1)·T/N), the decode row layout of data-parallel attention). Returns [T, D] in x.dtype."""
+        x [T, D], topk_idx / topk_w [T, K], replicated. Pairs a device must not compute get the module's
+        `padding_expert_index` and weight 0: for AWQExperts an out-of-range index its tiling drops (no compute;
+        checked by tests/sharding_8dev_cases.py), for Experts index 0 (a wasted row, still exact). Partial outputs
+        are summed in fp32. Returns [T, D] in x.dtype, replicated, or with scatter_rows split by rows (device d keeps
+        rows [d·T/N, (d+1)·T/N), the decode row layout of data-parallel attention)."""
         if self.num_devices == 1:
             return experts_module(x, topk_idx, topk_w)
-        n = self.num_devices
-        graphdef, state = nnx.split(experts_module)
-        num_local = _leading_dim(state) // n
-        elsewhere = experts_module.padding_expert_index
-        if scatter_rows and x.shape[0] % n:
-            raise ValueError(f"{x.shape[0]} token rows do not split evenly over {n} devices (data-parallel "
-                             "attention needs the decode batch padded to a multiple of the device count)")
-
-        def body(state, x, topk_idx, topk_w):
-            local = topk_idx - jax.lax.axis_index(AXIS) * num_local
-            mine = (local >= 0) & (local < num_local)
-            y = nnx.merge(graphdef, state)(x, jnp.where(mine, local, elsewhere), jnp.where(mine, topk_w, 0))
-            # Sum partial outputs in fp32: a bf16 sum over devices would round N-1 more times than one device.
-            y = y.astype(jnp.float32)
-            if scatter_rows:
-                y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
-            else:
-                y = jax.lax.psum(y, AXIS)
-            return y.astype(x.dtype)
-
-        state_specs = jax.tree.map(lambda a: P(AXIS), state)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=(state_specs, P(), P(), P()),
-                             out_specs=P(AXIS) if scatter_rows else P(),
-                             check_vma=False)(state, x, topk_idx, topk_w)
+        if self.expert_dispatch == "all_to_all":
+            return expert_parallel.experts_all_to_all(self.mesh, AXIS, experts_module, x, topk_idx, topk_w,
+                                                      scatter_rows=scatter_rows,
+                                                      capacity_factor=self.expert_capacity_factor)
+        return expert_parallel.experts_all_gather(self.mesh, AXIS, experts_module, x, topk_idx, topk_w,
+                                                  scatter_rows=scatter_rows)
 
 
 class SingleDevice:
@@ -547,13 +536,6 @@ def _page_size(cache) -> int:
         return int(cache.page_size)
     leaf = jax.tree.leaves(cache)[0]
     return leaf.shape[leaf.ndim - 2]
-
-
-def _leading_dim(state) -> int:
-    dims = {a.shape[0] for a in jax.tree.leaves(state)}
-    if len(dims) != 1:
-        raise ValueError(f"expert parameters must all lead with the expert axis; leading sizes seen: {dims}")
-    return dims.pop()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -232,6 +232,120 @@ def test_expert_parallel_matches_one_device(kind, n, scatter_rows):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# expert parallel through all-to-all (mla_jax.expert_parallel)
+# ---------------------------------------------------------------------------------------------------------------
+
+def routing(kind, T, K, E, seed):
+    """topk_idx [T, K] (distinct experts per token) and random weights. uniform: random experts; skewed: every
+    token to experts 0..K-1 (all on device 0 with E/N >= K); strided: token t to t, t+1, .. (mod E)."""
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+    elif kind == "skewed":
+        idx = np.tile(np.arange(K), (T, 1))
+    else:
+        idx = (np.arange(T)[:, None] + np.arange(K)[None, :]) % E
+    w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(w)
+
+
+def sharded_experts(kind, E, n, D=32):
+    mod = experts_module(kind, E, D)
+    graphdef, state = nnx.split(mod)
+    pl = plan(n)
+    state = jax.device_put(state, jax.tree.map(lambda a: pl.sharding(P(AXIS)), state))
+    return mod, graphdef, state, pl.mesh
+
+
+@pytest.mark.parametrize("kind", ["dense", "awq"])
+@pytest.mark.parametrize("T,route,scatter_rows", [(16, "uniform", True), (16, "uniform", False),
+                                                  (13, "uniform", False), (1, "uniform", False),
+                                                  (24, "skewed", True), (11, "skewed", False)])
+def test_all_to_all_experts_match_one_device_and_the_all_gather_path(kind, T, route, scatter_rows):
+    """T not divisible by 8 and T=1 (replicated tokens are padded with rows that send nothing), all tokens routed
+    to one device's experts (that device receives 8x its rows; the worst-case capacity holds them)."""
+    from mla_jax import expert_parallel
+    n, E, K, D = 8, 16, 2, 32
+    mod, graphdef, state, mesh = sharded_experts(kind, E, n, D)
+    x = jax.random.normal(jax.random.key(T), (T, D), jnp.float32)
+    idx, w = routing(route, T, K, E, seed=T)
+    want = mod(x, idx, w)
+
+    def a2a(st, x, i, w):
+        return expert_parallel.experts_all_to_all(mesh, AXIS, nnx.merge(graphdef, st), x, i, w,
+                                                  scatter_rows=scatter_rows, with_overflow=True)
+
+    def ag(st, x, i, w):
+        return expert_parallel.experts_all_gather(mesh, AXIS, nnx.merge(graphdef, st), x, i, w,
+                                                  scatter_rows=scatter_rows)
+
+    got, overflowed = jax.jit(a2a)(state, x, idx, w)
+    ref = jax.jit(ag)(state, x, idx, w)
+    assert not bool(overflowed)
+    assert got.shape == (T, D) and got.dtype == x.dtype
+    if scatter_rows:
+        assert spec_of(got)[0] == AXIS and shard_shapes(got) == {(T // n, D)}
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(want)).max() > 1e-3                    # the experts did produce something
+
+
+@pytest.mark.parametrize("route,overflows", [("skewed", True), ("strided", False)])
+def test_all_to_all_capacity_overflow_takes_the_all_gather_path_and_drops_nothing(route, overflows):
+    """capacity_factor 0.5: 4 of a device's 8 rows fit per peer. Skewed routing sends all 8 of every device's rows
+    to device 0 (overflow -> every device takes the all-gather path); strided routing (token t to experts t, t+1,
+    t+2 of 8, one expert per device) sends 3 rows to each peer (fits: the all-to-all runs)."""
+    from mla_jax import expert_parallel
+    n, E, K, T, D = 8, 8, 3, 64, 32
+    mod, graphdef, state, mesh = sharded_experts("dense", E, n, D)
+    x = jax.random.normal(jax.random.key(5), (T, D), jnp.float32)
+    idx, w = routing(route, T, K, E, seed=6)
+    want = mod(x, idx, w)
+    fn = jax.jit(lambda st, x, i, w: expert_parallel.experts_all_to_all(
+        mesh, AXIS, nnx.merge(graphdef, st), x, i, w, scatter_rows=True, capacity_factor=0.5, with_overflow=True))
+    got, overflowed = fn(state, x, idx, w)
+    assert bool(overflowed) is overflows
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    hlo = fn.lower(state, x, idx, w).compile().as_text()
+    assert "all-to-all" in hlo and "all-gather" in hlo and "conditional" in hlo.lower()
+
+
+def test_all_to_all_path_moves_rows_by_all_to_all_only():
+    """With split rows and the worst-case capacity the compiled island has all-to-alls and no all-gather /
+    all-reduce / reduce-scatter (the reference path has the reduction): the dispatch really is different."""
+    from mla_jax import expert_parallel
+    n, E, K, T, D = 8, 16, 2, 16, 32
+    mod, graphdef, state, mesh = sharded_experts("dense", E, n, D)
+    x = jax.random.normal(jax.random.key(7), (T, D), jnp.float32)
+    idx, w = routing("uniform", T, K, E, seed=8)
+    rows = plan(n).sharding(P(AXIS))
+    args = (state, jax.device_put(x, rows), jax.device_put(idx, rows), jax.device_put(w, rows))
+    a2a = jax.jit(lambda st, x, i, w: expert_parallel.experts_all_to_all(mesh, AXIS, nnx.merge(graphdef, st), x, i,
+                                                                         w, scatter_rows=True))
+    ag = jax.jit(lambda st, x, i, w: expert_parallel.experts_all_gather(mesh, AXIS, nnx.merge(graphdef, st), x, i,
+                                                                        w, scatter_rows=True))
+    a2a_hlo, ag_hlo = a2a.lower(*args).compile().as_text(), ag.lower(*args).compile().as_text()
+    assert a2a_hlo.count("all-to-all-start") + a2a_hlo.count("all-to-all(") >= 4     # x, idx, w out; partials back
+    for op in ("all-gather", "all-reduce", "reduce-scatter"):
+        assert op not in a2a_hlo, op
+    assert "all-to-all" not in ag_hlo and ("reduce-scatter" in ag_hlo or "all-reduce" in ag_hlo)
+    np.testing.assert_allclose(np.asarray(a2a(*args)), np.asarray(mod(x, idx, w)), rtol=1e-5, atol=1e-6)
+
+
+def test_all_to_all_rejects_split_rows_that_do_not_divide_and_bad_options():
+    from mla_jax import expert_parallel
+    mod, graphdef, state, mesh = sharded_experts("dense", 8, 8)
+    x = jnp.ones((12, 32), jnp.float32)
+    idx, w = routing("uniform", 12, 2, 8, seed=0)
+    with pytest.raises(ValueError, match="12 token rows do not split evenly over 8 devices"):
+        expert_parallel.experts_all_to_all(mesh, AXIS, mod, x, idx, w, scatter_rows=True)
+    with pytest.raises(ValueError, match="expert_dispatch='ragged'"):
+        ShardingPlan.create(tiny_cfg(), 8, expert_dispatch="ragged")
+    with pytest.raises(ValueError, match=r"expert_capacity_factor=1.5 must be in \(0, 1\]"):
+        ShardingPlan.create(tiny_cfg(), 8, expert_dispatch="all_to_all", expert_capacity_factor=1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # sharded loading
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -327,10 +441,14 @@ def assert_same(outs, ref):
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("tp,dp", [(2, False), (4, False), (8, True)])
-def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outputs, tp, dp):
+@pytest.mark.parametrize("tp,dp,dispatch", [(2, False, "all_gather"), (4, False, "all_gather"),
+                                            (8, True, "all_gather"), (2, False, "all_to_all"),
+                                            (8, True, "all_to_all")])
+def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outputs, tp, dp, dispatch):
     ref, _ = one_device_outputs
-    llm = make_llm(tensor_parallel_size=tp, data_parallel_attention=dp, num_pages=24 if not dp else 32)
+    llm = make_llm(tensor_parallel_size=tp, data_parallel_attention=dp, num_pages=24 if not dp else 32,
+                   expert_dispatch=dispatch)
+    assert llm.sharding_plan.expert_dispatch == dispatch
     decode_before = llm._decode_fn._cache_size()     # jit caches are per function, shared by LLM instances
     assert_same(llm.generate(PROMPTS, greedy()), ref)
     # all prompts prefill in one step, then every decode step has the same batch: one decode compilation

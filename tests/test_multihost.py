@@ -84,3 +84,40 @@ def test_generate_script_across_two_processes_with_dp_attention(tmp_path):
         assert p.returncode == 0, out[-6000:]
         printed = [json.loads(line) for line in out.splitlines() if line.startswith("[") and line.endswith("]")]
         assert printed == want, out[-3000:]
+
+
+def test_check_multi_gpu_script_two_processes_all_to_all_matches_one_device(tmp_path):
+    """scripts/check_multi_gpu.py --cpu: its reference child (1 device) and two jax.distributed children of one
+    CPU device each, data-parallel attention with the all-to-all expert dispatch: greedy tokens equal, logprobs
+    within 1e-4; the script exits 0 and its JSON says so."""
+    script = os.path.join(HERE, "..", "scripts", "check_multi_gpu.py")
+    out = tmp_path / "check.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    r = subprocess.run([sys.executable, script, "--cpu", "--phases", "multi_process", "--configs",
+                        "dp_attention:all_to_all", "--num-prompts", "3", "--max-tokens", "4", "--out", str(out)],
+                       cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["ok"] and row["passed"] and row["tokens_equal"]
+    assert row["config"] == "dp_attention2 all_to_all [2 processes x 1 device (jax.distributed)]"
+    assert 0 <= row["max_abs_logprob_diff"] <= 1e-4
+    assert len(report["reference_tokens"]) == 3 and all(len(t) == 4 for t in report["reference_tokens"])
+
+
+def test_check_multi_gpu_compare_fails_on_other_tokens_or_logprobs_past_tolerance():
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_multi_gpu", os.path.join(HERE, "..", "scripts",
+                                                                                  "check_multi_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ref = {"token_ids": [[5, 6], [7, 8]], "logprobs": [[-1.0, -2.0], [-0.5, -0.25]], "model": "m", "env": {}}
+    args = argparse.Namespace(atol=1e-4, num_devices=2)
+    same = {"token_ids": [[5, 6], [7, 8]], "logprobs": [[-1.0, -2.00005], [-0.5, -0.25]]}
+    other_token = {"token_ids": [[5, 6], [7, 9]], "logprobs": ref["logprobs"]}
+    far = {"token_ids": [[5, 6], [7, 8]], "logprobs": [[-1.0, -2.0], [-0.5, -0.2498]]}
+    report = mod.compare({"reference": ref, "a": same, "b": other_token, "c": far}, args)
+    assert [r["passed"] for r in report["rows"]] == [True, False, False] and not report["ok"]
+    assert not report["rows"][1]["tokens_equal"] and abs(report["rows"][2]["max_abs_logprob_diff"] - 2e-4) < 1e-9
+    assert mod.compare({"reference": ref, "a": same}, args)["ok"]

@@ -106,10 +106,11 @@ def test_stop_strings_match_a_plain_search():
 def test_command_line_takes_the_engine_flags_and_exits_2_on_an_impossible_engine(capsys):
     args = launch.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--tensor-parallel-size", "2", "--max-num-seqs", "4",
                               "--max-model-len", "128", "--data-parallel-attention", "--port", "9"])
-    assert (args.model, args.port, args.host) == (MODEL, 9, "127.0.0.1")
+    assert (args.model, args.port, args.host) == ("tiny-deepseek-py", 9, "127.0.0.1")   # the embedded model by name
     assert mla_jax.cli.engine_kwargs(args) == dict(
         dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="auto", max_model_len=128, max_num_seqs=4,
-        max_num_batched_tokens=2048, tensor_parallel_size=2, interpret=False, seed=0, data_parallel_attention=True)
+        max_num_batched_tokens=2048, tensor_parallel_size=2, interpret=False, seed=0, data_parallel_attention=True,
+        expert_dispatch="all_gather")
     assert launch.main(["--attention-backend", "mosaic_sm90"]) == 2
     assert "mosaic_sm90' cannot run" in capsys.readouterr().err
 

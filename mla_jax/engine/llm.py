@@ -76,13 +76,16 @@ class LLM:
     page_size: tokens per page (64, FlashMLA's).
     kv_cache_memory_bytes: memory budget for the default num_pages (default: 90% of the device's free memory, or
         1 GiB where the device reports none, e.g. CPU).
+    expert_dispatch, expert_capacity_factor: over several devices, how tokens reach the routed experts
+        ("all_gather", the reference and default, or "all_to_all"; mla_jax.expert_parallel).
     """
 
     def __init__(self, model: Union[str, os.PathLike], dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
                  attention_backend: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 16,
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
-                 kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False):
+                 kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False,
+                 expert_dispatch: str = "all_gather", expert_capacity_factor: Optional[float] = None):
         path = resolve_model_dir(model)       # a path, or the name of an embedded model ("tiny-deepseek-py")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
@@ -91,7 +94,8 @@ class LLM:
         if tensor_parallel_size != 1 or data_parallel_attention:
             # each device reads only its slices of the checkpoint (mla_jax.checkpoint.sharded)
             sharding_plan = sharding.ShardingPlan.create(ModelConfig.from_pretrained(path), tensor_parallel_size,
-                                                         data_parallel_attention)
+                                                         data_parallel_attention, expert_dispatch=expert_dispatch,
+                                                         expert_capacity_factor=expert_capacity_factor)
             loaded, cfg = load_sharded(path, sharding_plan, dtype=dtype)
         else:
             loaded, cfg = load_model(path, dtype=dtype)
@@ -118,11 +122,13 @@ class LLM:
     def _init(self, model, cfg, *, tokenizer, eos_token_ids, kv_cache_dtype="auto", attention_backend="auto",
               max_model_len=None, max_num_seqs=16, tensor_parallel_size=1, interpret=False, seed=0, num_pages=None,
               max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None, data_parallel_attention=False,
-              sharding_plan=None):
+              sharding_plan=None, expert_dispatch="all_gather", expert_capacity_factor=None):
         # Several devices: weights, caches and the step functions' islands follow a mla_jax.sharding.ShardingPlan
         # (tensor-parallel attention, or data-parallel attention; experts split over devices in both).
         if sharding_plan is None and (tensor_parallel_size != 1 or data_parallel_attention):
-            sharding_plan = sharding.ShardingPlan.create(cfg, tensor_parallel_size, data_parallel_attention)
+            sharding_plan = sharding.ShardingPlan.create(cfg, tensor_parallel_size, data_parallel_attention,
+                                                         expert_dispatch=expert_dispatch,
+                                                         expert_capacity_factor=expert_capacity_factor)
         self.sharding_plan = sharding_plan
         dp_devices = sharding_plan.num_devices if sharding_plan and sharding_plan.data_parallel_attention else 1
         if kv_cache_dtype not in KV_CACHE_DTYPES:

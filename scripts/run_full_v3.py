@@ -9,7 +9,7 @@ limit keeps what it measured).
     # 8 GPUs, all 61 layers:
     python scripts/run_full_v3.py --num-devices 8 --modes tp dp --batches 64 128 256 --prompt-len 1000 --gen-len 1000
     # 2 GPUs vs 1 GPU, 8 layers, the same per-GPU batch (global batch = per-GPU batch x devices):
-    python scripts/run_full_v3.py --num-layers 8 --num-devices 1 2 --modes dp tp --per-device-batch --batches 64 \
+    python scripts/run_full_v3.py --num-layers 8 --num-devices 1 2 --modes dp tp --per-device-batch --batches 64 \\
         --prompt-len 256 --gen-len 64 --measure-layer --time-budget-s 420
     # on a CPU, 8 simulated devices: the full-size sharded plan, abstractly (no allocation): per-device bytes of
     # weights and cache, and the decode step traced and lowered with those shardings

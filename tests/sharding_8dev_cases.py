@@ -501,3 +501,33 @@ def test_awq_experts_routing_leaves_out_out_of_range_expert_indices():
     assert bool(((rt.pair_row < 0) == drop).all())
     rt_all = align(idx, w, E, 2)
     assert int((rt_all.block_expert >= 0).sum()) == 8 and int((rt_all.row_token >= 0).sum()) == 12
+
+@pytest.mark.parametrize("module_path,n,dp,backend", [
+    ("layers/0/self_attn/q_b_proj", 4, False, "auto"),      # column split
+    ("layers/0/self_attn/o_proj", 2, False, "auto"),        # row split: K ranges, float32 partial sums
+    ("layers/0/self_attn/q_b_proj", 4, True, "auto"),       # replicated (data-parallel attention)
+    ("layers/0/mlp/down_proj", 2, False, "triton"),         # row split through the Pallas kernel (interpret)
+    ("layers/0/mlp/up_proj", 2, True, "triton"),            # column split through the Pallas kernel
+])
+def test_awq_linear_island_matches_one_device(module_path, n, dp, backend):
+    """A dense AWQ linear whose weights are split by its partition rule runs w4a16_matmul inside a shard_map
+    island on each device's shard and gives the one-device result."""
+    from mla_jax.quant import awq
+    plan = ShardingPlan.create(tiny_cfg(), n, dp)
+    K, N = 512, 512
+    lin = awq.AWQLinear(AWQConfig(bits=4, group_size=64), K, N, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (5, K), jnp.float32).astype(jnp.bfloat16)
+    ref = np.asarray(jax.jit(lambda x: lin(x))(x), np.float32)
+    lin.backend, lin.interpret = backend, backend == "triton"
+    lin.island = awq.island_for(plan, module_path, lin)
+    assert lin.island is not None and lin.island[1] == sharding.layout_for(f"{module_path}/packed", dp)
+    graphdef, state = nnx.split(lin)
+    placed = jax.tree_util.tree_map_with_path(
+        lambda kp, a: jax.device_put(a, plan.sharding(plan.param_spec(f"{module_path}/{sharding.path_str(kp)}",
+                                                                      a.shape))), state)
+    got = np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(placed, x), np.float32)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert got.shape == (5, N) and err < 1e-2, err
+    # shapes that are not whole kernel tiles per device take the XLA path instead of an island
+    odd = awq.AWQLinear(AWQConfig(bits=4, group_size=64), 256, 192, dtype=jnp.bfloat16, rngs=nnx.Rngs(5))
+    assert awq.island_for(plan, "layers/0/self_attn/o_proj", odd) is None or dp

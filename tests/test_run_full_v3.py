@@ -49,7 +49,7 @@ def test_dry_run_full_width_at_reduced_depth(tmp_path):
     (row,) = result["rows"]
     assert "4 layers" in result["config"] and result["devices"] == "2 simulated CPU devices"
     m = row["bytes_per_device"]
-    # one MoE layer (V3's first 3 are dense) of 256 experts x 3 x 7168 x 2048 int4 weights (+ g64 scales/zeros),
-    # half of them on each of the 2 devices
+    # one MoE layer (V3's first 3 are dense) of 256 experts x 3 x 7168 x 2048 packed int4 weights (+ g64 fp16
+    # scales and uint8 zeros: 3 bytes per group), half of them on each of the 2 devices
     weights = 256 * 3 * 7168 * 2048 // 2
-    assert m["routed_experts"] == weights // 2 + weights // 2 * 5 // 64
+    assert m["routed_experts"] == weights // 2 + weights // 64 * 3

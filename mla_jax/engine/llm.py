@@ -177,8 +177,8 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        # AWQ layers: the w4a16 kernels where they can run (dense ones not on weights sharded outside shard_map)
-        configure_w4a16(model, sharded=sharding_plan is not None and sharding_plan.num_devices > 1)
+        # AWQ layers: the w4a16 kernels, on each device's shards when the weights are split (shard_map islands)
+        configure_w4a16(model, plan=sharding_plan)
         self.graphdef, self.weights = split_model(model)
         if sharding_plan is None:
             self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)

@@ -34,8 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from mla_jax import sharding
 from mla_jax.checkpoint.targets import ParamTarget
 from mla_jax.quant.pack import PACK, unpack_int4
 from pallas_kernels.w4a16 import layout
@@ -217,6 +219,7 @@ class AWQLinear(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.backend = _check_backend(backend)
         self.interpret = False
+        self.island = None            # (mesh, sharding.Layout) when the weights are split over devices
         key = rngs.params() if rngs is not None else jax.random.key(0)
         w = _random_packed(key, (), in_features, out_features, quant.group_size)
         self.packed = QuantWeight(w.packed)
@@ -233,8 +236,35 @@ class AWQLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = pallas_kernels.w4a16_matmul(flat, self.weight(), backend=self.backend, interpret=self.interpret)
+        if self.island is None:
+            y = pallas_kernels.w4a16_matmul(flat, self.weight(), backend=self.backend, interpret=self.interpret)
+        else:
+            y = self._island_matmul(flat)
         return y.reshape(*x.shape[:-1], self.out_features).astype(x.dtype)
+
+    def _island_matmul(self, x: jax.Array) -> jax.Array:
+        """The matmul on each device's shard of the weights (a Pallas call needs per-device arrays): replicated
+        weights — every device computes all rows (decode reads the weights once either way); column split —
+        each device its output columns; row split — each device its K range, partial sums added in float32."""
+        mesh, lay = self.island
+        n = mesh.shape[sharding.AXIS]
+        k, cols = self.in_features, self.out_features
+        x_spec, out_spec, w_spec, reduce = P(), P(), P(), False
+        if lay is sharding.Layout.COLUMN:
+            w_spec, out_spec, cols = P(None, sharding.AXIS), P(None, sharding.AXIS), cols // n
+        elif lay is sharding.Layout.ROW:
+            w_spec, x_spec, k, reduce = P(sharding.AXIS), P(None, sharding.AXIS), k // n, True
+
+        def body(x, packed, scales, zeros):
+            w = layout.W4A16Weight(packed=packed, scales=scales, zeros=zeros, k=k, n=cols,
+                                   group_size=self.group_size)
+            y = pallas_kernels.w4a16_matmul(x, w, backend=self.backend, interpret=self.interpret,
+                                            out_dtype=jnp.float32 if reduce else None)
+            return jax.lax.psum(y, sharding.AXIS).astype(x.dtype) if reduce else y
+
+        w = self.weight()
+        return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, w_spec, w_spec), out_specs=out_spec,
+                             check_vma=False)(x, w.packed, w.scales, w.zeros)
 
 
 class AWQExperts(nnx.Module):
@@ -306,19 +336,39 @@ class AWQExperts(nnx.Module):
 
 
 def configure_w4a16(model: nnx.Module, *, backend: str = "auto", interpret: bool = False,
-                    sharded: bool = False) -> None:
+                    plan: Optional[sharding.ShardingPlan] = None) -> None:
     """Sets the w4a16 backend (and Pallas interpret mode) of every AWQ layer of `model` (in place; before
-    nnx.split / jit).
+    nnx.split / jit), and, with a sharding plan over several devices, how each dense AWQ linear runs on its
+    weights' shards.
 
-    sharded: the model's weights are split over several devices outside any shard_map. Pallas kernels cannot
-    take such arrays, so the dense AWQLinears then use the XLA reference (it dequantizes their weights
-    transiently); the routed experts keep `backend`, since they run inside the expert-parallel shard_map island.
+    A Pallas call cannot take arrays sharded outside shard_map, so under a plan each AWQLinear gets a shard_map
+    island for its partition rule (`AWQLinear._island_matmul`) when its shards are whole kernel tiles: a column
+    split needs N a multiple of 64·devices, a row split K a multiple of 256·devices (no padding inside a shard).
+    Other shapes use the XLA reference (it dequantizes their weights transiently). The routed experts already
+    run inside the expert-parallel island and keep `backend`.
     """
     _check_backend(backend)
-    for _, m in nnx.iter_modules(model):
-        if isinstance(m, (AWQLinear, AWQExperts)):
-            m.backend = "xla" if sharded and isinstance(m, AWQLinear) else backend
-            m.interpret = bool(interpret)
+    for path, m in nnx.iter_modules(model):
+        if not isinstance(m, (AWQLinear, AWQExperts)):
+            continue
+        m.backend, m.interpret = backend, bool(interpret)
+        if isinstance(m, AWQLinear):
+            m.island = None if plan is None else island_for(plan, sharding.path_str(tuple(path)), m)
+            if plan is not None and plan.num_devices > 1 and m.island is None:
+                m.backend = "xla"
+
+
+def island_for(plan: sharding.ShardingPlan, module_path: str, m: AWQLinear):
+    """(mesh, layout) of the shard_map island AWQLinear `m` at `module_path` runs in under `plan`, or None: one
+    device, or shards that are not whole kernel tiles (see configure_w4a16)."""
+    n = plan.num_devices
+    if n == 1:
+        return None
+    lay = sharding.layout_for(f"{module_path}/packed", plan.data_parallel_attention)
+    fits = {sharding.Layout.REPLICATED: True,
+            sharding.Layout.COLUMN: m.out_features % (layout.ALIGN_N * n) == 0,
+            sharding.Layout.ROW: m.in_features % (layout.CHUNK_K * n) == 0}.get(lay, False)
+    return (plan.mesh, lay) if fits else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -94,16 +94,18 @@ def _check_x(x, k: int, what: str) -> None:
 
 
 def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "auto", interpret: bool = False,
-                 config: dict | None = None) -> jax.Array:
-  """x [M, K] @ W [K, N] -> [M, N] in x.dtype (float32 accumulation)."""
+                 config: dict | None = None, out_dtype=None) -> jax.Array:
+  """x [M, K] @ W [K, N] -> [M, N] in out_dtype (default x.dtype; float32 accumulation either way: float32 keeps
+  partial sums exact for a caller that adds them, e.g. a K split over devices)."""
   if weight.lead_shape:
     raise ValueError(f"w4a16_matmul takes one weight, got a stack of shape {weight.lead_shape}.")
   _check_x(x, weight.k, "w4a16_matmul")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
   if x.shape[0] == 0:
-    return jnp.zeros((0, weight.n), x.dtype)
+    return jnp.zeros((0, weight.n), out_dtype)
   if _choose(backend, x.dtype, interpret, weight.group_size) == "xla":
-    return reference.matmul(x, weight)
-  return triton.matmul(x, weight, interpret=interpret, config=config)
+    return reference.matmul(x, weight, out_dtype=out_dtype)
+  return triton.matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
 
 
 def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:

@@ -16,10 +16,12 @@ def _precision(dtype):
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def matmul(x: jax.Array, w: layout.W4A16Weight) -> jax.Array:
-  """x [M, K] @ W [K, N] -> [M, N] in x.dtype; W dequantized in float32 and rounded once to x.dtype."""
+def matmul(x: jax.Array, w: layout.W4A16Weight, out_dtype=None) -> jax.Array:
+  """x [M, K] @ W [K, N] -> [M, N] in out_dtype (default x.dtype); W dequantized in float32 and rounded once to
+  x.dtype."""
   wd = layout.dequantize(w, x.dtype)
-  return jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=_precision(x.dtype)).astype(x.dtype)
+  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=_precision(x.dtype))
+  return y.astype(out_dtype or x.dtype)
 
 
 def _take_expert(w: layout.W4A16Weight, e) -> layout.W4A16Weight:

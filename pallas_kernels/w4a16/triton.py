@@ -184,15 +184,16 @@ def _as_stack(w: layout.W4A16Weight) -> layout.W4A16Weight:
                             group_size=w.group_size)
 
 
-def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None):
-  """x [M, K] bf16 @ W [K, N] -> [M, N] bf16."""
+def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
+           out_dtype=None):
+  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16)."""
   m = x.shape[0]
   block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
   nb = -(-m // block_m)
   rows = jnp.arange(nb * block_m, dtype=jnp.int32)
   row_token = jnp.where(rows < m, rows, -1)
   y = grouped_matmul(x, _as_stack(w), jnp.zeros((nb,), jnp.int32), row_token, jnp.ones_like(rows, jnp.float32),
-                     block_m=block_m, gated=False, weighted=False, out_dtype=x.dtype, busy_blocks=nb,
+                     block_m=block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype, busy_blocks=nb,
                      interpret=interpret, config={"num_warps": 2 if block_m <= 16 else 4, **(config or {})})
   return y[:m, :w.n]
 

@@ -35,6 +35,7 @@ from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
 from .pools import DevicePagePools, decode_rows_by_device
+from .runner import FastDecoder
 from .sampling import sample
 from .scheduler import Request, Scheduler
 from .steps import allocate_caches, decode_step, prefill_step, split_model
@@ -73,13 +74,19 @@ class LLM:
     page_size: tokens per page (64, FlashMLA's).
     kv_cache_memory_bytes: memory budget for the default num_pages (default: 90% of the device's free memory, or
         1 GiB where the device reports none, e.g. CPU).
+    fused_decode: decode through the fast path (engine/runner.py: sampling and stop checks fused into the step's
+        jit, one transfer each way per call); False runs the plain path (one decode and one sampling call per
+        step, tokens read every step). Same tokens either way. One device only: a sharding plan uses the plain path.
+    multi_step: with fused_decode, decode steps per device call while no request can join (default 8).
+    overlap: with fused_decode, dispatch the next decode call before reading the current one's tokens.
     """
 
     def __init__(self, model: Union[str, os.PathLike], dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
                  attention_backend: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 16,
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
-                 kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False):
+                 kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False,
+                 fused_decode: bool = True, multi_step: int = 8, overlap: bool = True):
         path = os.fspath(model)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
@@ -98,7 +105,8 @@ class LLM:
                    max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, interpret=interpret,
                    seed=seed, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
                    page_size=page_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                   data_parallel_attention=data_parallel_attention, sharding_plan=sharding_plan)
+                   data_parallel_attention=data_parallel_attention, sharding_plan=sharding_plan,
+                   fused_decode=fused_decode, multi_step=multi_step, overlap=overlap)
 
     @classmethod
     def from_model(cls, model, *, tokenizer=None, eos_token_ids: Sequence[int] = (), **kwargs) -> "LLM":
@@ -115,7 +123,7 @@ class LLM:
     def _init(self, model, cfg, *, tokenizer, eos_token_ids, kv_cache_dtype="auto", attention_backend="auto",
               max_model_len=None, max_num_seqs=16, tensor_parallel_size=1, interpret=False, seed=0, num_pages=None,
               max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None, data_parallel_attention=False,
-              sharding_plan=None):
+              sharding_plan=None, fused_decode=True, multi_step=8, overlap=True):
         # Several devices: weights, caches and the step functions' islands follow a mla_jax.sharding.ShardingPlan
         # (tensor-parallel attention, or data-parallel attention; experts split over devices in both).
         if sharding_plan is None and (tensor_parallel_size != 1 or data_parallel_attention):
@@ -187,6 +195,9 @@ class LLM:
         # sampled tokens are read by the host of every process: replicated
         self._sample_fn = (jax.jit(sample) if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
+        # the decode fast path (fused sampling, multi-step, overlap): one device only for now
+        self._fast = (FastDecoder(self, multi_step=multi_step, overlap=overlap)
+                      if fused_decode and sharding_plan is None else None)
         logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
                     "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
                     page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)
@@ -217,7 +228,8 @@ class LLM:
     # ---- public --------------------------------------------------------------------------------------------
     def num_compiles(self) -> int:
         """Number of compiled variants of the step functions so far (steady state: stops growing)."""
-        return sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
+        fast = self._fast.num_compiles() if self._fast is not None else 0
+        return fast + sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
 
     def record_decode_times(self) -> list[tuple[int, float]]:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
@@ -374,10 +386,18 @@ class LLM:
         return list(reqs) + [None] * (B - len(reqs))
 
     def _step(self) -> list[tuple[Request, int]]:
+        """One engine step: (request, token) for every token generated (several per request with multi-step);
+        a request's finish_reason is set once it finished. Call while scheduler.has_unfinished()."""
+        if self._fast is not None:
+            return self._fast.step()
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        return self._run_plan(plan, t_start)
+
+    def _run_plan(self, plan, t_start: float) -> list[tuple[Request, int]]:
+        """The plain path's step for a Scheduler plan (prefill, or decode with a separate sampling call)."""
         ps = self.page_size
         if plan.kind == "decode":
             reqs = plan.decode

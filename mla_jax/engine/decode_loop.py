@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cache_storage import as_stored, from_stored
 from .sampling import sample
 from .steps import decode_step
 
@@ -120,8 +121,10 @@ def decode_loop(graphdef, weights, caches: Sequence, buf: jax.Array, prev_tokens
         page = jnp.take_along_axis(block_table, jnp.clip(pos // page_size, 0, layout.width - 1)[:, None], 1)[:, 0]
         slots = jnp.where(stopped, -1, page * page_size + pos % page_size)
         seq_lens = jnp.where(stopped, 0, pos + 1)
-        caches, logits = decode_step(graphdef, weights, caches, tokens, pos, slots, block_table, seq_lens,
-                                     backend=backend, interpret=interpret)
+        # the loop carries the caches stored (cache_storage.py), so fp8 writes stay in place
+        caches, logits = decode_step(graphdef, weights, from_stored(caches), tokens, pos, slots, block_table,
+                                     seq_lens, backend=backend, interpret=interpret)
+        caches = as_stored(caches)
         new, logprobs = sample(logits, x["temperature"], x["top_k"], x["top_p"], x["seeds"], x["steps"] + i)
         new = jnp.where(stopped, -1, new)
         hit_stop = jnp.any((new[:, None] == x["stop_ids"]) & (x["stop_ids"] >= 0), axis=1)
@@ -129,11 +132,11 @@ def decode_loop(graphdef, weights, caches: Sequence, buf: jax.Array, prev_tokens
         return (i + 1, caches, jnp.where(new >= 0, new, tokens), stopped, out_tokens.at[i].set(new),
                 out_logprobs.at[i].set(logprobs))
 
-    state = (jnp.int32(0), tuple(caches), tokens, stopped, out_tokens, out_logprobs)
+    state = (jnp.int32(0), as_stored(caches), tokens, stopped, out_tokens, out_logprobs)
     _, caches, tokens, stopped, out_tokens, out_logprobs = jax.lax.while_loop(cond, body, state)
     result = jnp.concatenate([out_tokens, jax.lax.bitcast_convert_type(out_logprobs, jnp.int32),
                               stopped.astype(jnp.int32)[None]], axis=0)
-    return caches, result, tokens, stopped
+    return from_stored(caches), result, tokens, stopped
 
 
 def split_result(result: np.ndarray, max_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,6 +34,7 @@ from mla_jax.config import ModelConfig
 from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
+from .cache_storage import as_stored, stored_step
 from .pools import DevicePagePools, decode_rows_by_device
 from .runner import FastDecoder
 from .sampling import sample
@@ -176,7 +177,8 @@ class LLM:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.graphdef, self.weights = split_model(model)
         if sharding_plan is None:
-            self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)
+            # fp8 latents rest as uint8 bits so the steps update them in place (engine/cache_storage.py)
+            self.caches = as_stored(allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
         else:   # each device allocates only its part of the caches; weights (and W_UK/W_UV) by the rules
             self.caches = sharding.allocate_sharded(sharding_plan, lambda: allocate_caches(
                 cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
@@ -188,9 +190,9 @@ class LLM:
         self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
         # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
         # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
-        self._decode_fn = jax.jit(decode_step, static_argnums=(0,),
+        self._decode_fn = jax.jit(stored_step(decode_step), static_argnums=(0,),
                                   static_argnames=("backend", "interpret", "plan"), donate_argnums=(2,))
-        self._prefill_fn = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits", "plan"),
+        self._prefill_fn = jax.jit(stored_step(prefill_step), static_argnums=(0,), static_argnames=("all_logits", "plan"),
                                    donate_argnums=(2,))
         # sampled tokens are read by the host of every process: replicated
         self._sample_fn = (jax.jit(sample) if sharding_plan is None

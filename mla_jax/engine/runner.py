@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import paged
+from .cache_storage import as_stored, from_stored
 from .decode_loop import InputLayout, decode_loop, pack_inputs, split_result
 from .scheduler import Request, Status
 
@@ -77,8 +78,10 @@ class FastDecoder:
 
         def call(weight_leaves, caches, buf, prev_tokens, prev_stopped, *, layout):
             weights = jax.tree.unflatten(treedef, weight_leaves)
-            return decode_loop(graphdef, weights, caches, buf, prev_tokens, prev_stopped, layout=layout,
-                               max_steps=steps, page_size=ps, backend=backend, interpret=interpret)
+            caches, *out = decode_loop(graphdef, weights, from_stored(caches), buf, prev_tokens, prev_stopped,
+                                       layout=layout, max_steps=steps, page_size=ps, backend=backend,
+                                       interpret=interpret)
+            return (as_stored(caches), *out)
 
         self.fn = jax.jit(call, static_argnames=("layout",), donate_argnums=(1,))
 

@@ -49,6 +49,13 @@ KV_CACHE_DTYPES = ("auto", *pallas_kernels.CACHE_DTYPES)   # auto: the model dty
 MIN_CHUNK_BUCKET = 16
 
 
+_DECODE_FN = jax.jit(stored_step(decode_step), static_argnums=(0,), static_argnames=("backend", "interpret", "plan"),
+                     donate_argnums=(2,))
+_PREFILL_FN = jax.jit(stored_step(prefill_step), static_argnums=(0,), static_argnames=("all_logits", "plan"),
+                      donate_argnums=(2,))
+_SAMPLE_FN = jax.jit(sample)
+
+
 def _pow2_buckets(cap: int, start: int = 1) -> list[int]:
     """Powers of two from `start` below cap, then cap itself."""
     out, b = [], start
@@ -190,12 +197,10 @@ class LLM:
         self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
         # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
         # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
-        self._decode_fn = jax.jit(stored_step(decode_step), static_argnums=(0,),
-                                  static_argnames=("backend", "interpret", "plan"), donate_argnums=(2,))
-        self._prefill_fn = jax.jit(stored_step(prefill_step), static_argnums=(0,), static_argnames=("all_logits", "plan"),
-                                   donate_argnums=(2,))
+        # (shared by every LLM in the process: engines over equal models share compiled variants)
+        self._decode_fn, self._prefill_fn = _DECODE_FN, _PREFILL_FN
         # sampled tokens are read by the host of every process: replicated
-        self._sample_fn = (jax.jit(sample) if sharding_plan is None
+        self._sample_fn = (_SAMPLE_FN if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
         # the decode fast path (fused sampling, multi-step, overlap): one device only for now
         self._fast = (FastDecoder(self, multi_step=multi_step, overlap=overlap)

@@ -213,3 +213,17 @@ def test_fp8_stored_form_round_trips_and_writes_in_place():
     ref[5], ref[17] = deq[0], deq[2]
     got_deq = np.asarray(got.dequantize()[0]).reshape(-1, 512)
     np.testing.assert_array_equal(got_deq, ref)
+
+
+def test_stream_reports_finish_on_the_last_event_only(engines):
+    """Multi-step returns several tokens of a request from one step: only its last event carries finish_reason,
+    and the streamed tokens are the request's tokens."""
+    g = golden()
+    llm = engines["overlap_k4"]
+    params = [SamplingParams(max_tokens=7, ignore_eos=True), SamplingParams(max_tokens=10, ignore_eos=True)]
+    events = list(llm.generate_stream(g["prompts"][:2], params))
+    outs = events[-1].outputs
+    for i, o in enumerate(outs):
+        mine = [e for e in events[:-1] if e.index == i]
+        assert [e.token_id for e in mine] == o.token_ids and len(mine) == params[i].max_tokens
+        assert [e.finish_reason for e in mine] == [None] * (len(mine) - 1) + ["length"]

@@ -241,7 +241,8 @@ class LLM:
     def record_decode_times(self) -> list[tuple[int, float]]:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
         before sampling (one extra sync) and appends (padded batch rows, seconds) to the returned list, which the
-        caller may clear. For benchmarks: `step_times` also counts scheduling, input transfer and sampling."""
+        caller may clear. On the fast path (fused_decode) each call is waited for and its time split evenly over
+        the k steps it ran (one entry per step), which also turns overlap off while recording. For benchmarks: `step_times` also counts scheduling, input transfer and sampling."""
         self._decode_times = []
         return self._decode_times
 
@@ -288,13 +289,18 @@ class LLM:
                     detok[r.request_id] = IncrementalDetokenizer(self.tokenizer)
         try:
             while self.scheduler.has_unfinished():
-                for req, tok in self._step():
+                events = self._step()
+                # several tokens of one request may come in one step (multi-step decode): its finish_reason,
+                # already set, belongs to its last event only
+                last = {id(req): i for i, (req, _) in enumerate(events)}
+                for i, (req, tok) in enumerate(events):
                     if req.first_token_time is None:
                         req.first_token_time = time.perf_counter()
+                    reason = req.finish_reason if last[id(req)] == i else None
                     delta = detok[req.request_id].push(tok) if req.request_id in detok else ""
-                    if req.finish_reason is not None and req.request_id in detok:
+                    if reason is not None and req.request_id in detok:
                         delta += detok[req.request_id].flush()
-                    yield StreamEvent(req.request_id, tok, delta, req.finish_reason)
+                    yield StreamEvent(req.request_id, tok, delta, reason)
         except BaseException:
             self._abort_all()
             raise
@@ -393,8 +399,9 @@ class LLM:
         return list(reqs) + [None] * (B - len(reqs))
 
     def _step(self) -> list[tuple[Request, int]]:
-        """One engine step: (request, token) for every token generated (several per request with multi-step);
-        a request's finish_reason is set once it finished. Call while scheduler.has_unfinished()."""
+        """One engine step: (request, token) for every token generated, in order (several per request with
+        multi-step decode); a finished request's finish_reason is set when the call returns, and its last event in
+        the list is its last token. Call while scheduler.has_unfinished()."""
         if self._fast is not None:
             return self._fast.step()
         t_start = time.perf_counter()

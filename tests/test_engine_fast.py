@@ -18,7 +18,8 @@ from mla_jax.engine import cache_storage
 from mla_jax.engine.decode_loop import InputLayout, _unpack, pack_inputs
 from mla_jax.engine.llm import LLM
 from mla_jax.engine.params import SamplingParams
-from mla_jax.engine.scheduler import Request
+from mla_jax.engine.paged import PageAllocator
+from mla_jax.engine.scheduler import Request, Scheduler
 from pallas_kernels import MLAKVCache
 from pallas_kernels.mla_decode.cache import dequantize_fp8, quantize_fp8
 
@@ -227,3 +228,15 @@ def test_stream_reports_finish_on_the_last_event_only(engines):
         mine = [e for e in events[:-1] if e.index == i]
         assert [e.token_id for e in mine] == o.token_ids and len(mine) == params[i].max_tokens
         assert [e.finish_reason for e in mine] == [None] * (len(mine) - 1) + ["length"]
+
+
+def test_aborting_a_waiting_request_removes_it_from_the_queue():
+    sched = Scheduler(PageAllocator(8, 4), max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16)
+    a, b = (Request(i, [3, 4, 5], SamplingParams(max_tokens=4), seed=i) for i in range(2))
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().prefill[0].request is a          # b waits (one sequence at a time)
+    sched.finish(b, "abort")
+    assert list(sched.waiting) == [] and b.finish_reason == "abort"
+    sched.finish(a, "abort")
+    assert not sched.has_unfinished() and sched.allocator.num_free == sched.allocator.num_usable

@@ -203,8 +203,14 @@ class LLM:
         self._sample_fn = (_SAMPLE_FN if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
         # the decode fast path (fused sampling, multi-step, overlap): one device only for now
-        self._fast = (FastDecoder(self, multi_step=multi_step, overlap=overlap)
-                      if fused_decode and sharding_plan is None else None)
+        if not isinstance(fused_decode, bool) or not isinstance(overlap, bool):
+            raise ValueError(f"fused_decode and overlap must be bools, got {fused_decode!r} and {overlap!r}")
+        self._fast = None
+        if fused_decode and sharding_plan is None:
+            self._fast = FastDecoder(self, multi_step=multi_step, overlap=overlap)
+        elif fused_decode:
+            logger.info("LLM: the fused / multi-step / overlapped decode runs on one device only; this sharded "
+                        "engine decodes one step per call (fused_decode=False)")
         logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
                     "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
                     page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)

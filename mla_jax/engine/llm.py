@@ -248,7 +248,8 @@ class LLM:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
         before sampling (one extra sync) and appends (padded batch rows, seconds) to the returned list, which the
         caller may clear. On the fast path (fused_decode) each call is waited for and its time split evenly over
-        the k steps it ran (one entry per step), which also turns overlap off while recording. For benchmarks: `step_times` also counts scheduling, input transfer and sampling."""
+        the k steps it ran (one entry per step), which also turns overlap off while recording. For benchmarks:
+        `step_times` also counts scheduling, input transfer and sampling."""
         self._decode_times = []
         return self._decode_times
 

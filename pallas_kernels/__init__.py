@@ -8,8 +8,9 @@ an attribute: import its modules with `from pallas_kernels.mla_decode import api
 with `import pallas_kernels.mla_decode.triton as ...`.
 """
 from pallas_kernels import w4a16
-from pallas_kernels.mla_decode import CACHE_DTYPES, MLAKVCache, available_backends, mla_decode, resolve_backend
+from pallas_kernels.mla_decode import (CACHE_DTYPES, MLAKVCache, SplitKVSchedule, available_backends, mla_decode,
+                                      mla_decode_schedule, resolve_backend)
 from pallas_kernels.w4a16 import w4a16_matmul, w4a16_moe
 
-__all__ = ["CACHE_DTYPES", "MLAKVCache", "available_backends", "mla_decode", "resolve_backend", "w4a16",
-           "w4a16_matmul", "w4a16_moe"]
+__all__ = ["CACHE_DTYPES", "MLAKVCache", "SplitKVSchedule", "available_backends", "mla_decode",
+           "mla_decode_schedule", "resolve_backend", "w4a16", "w4a16_matmul", "w4a16_moe"]

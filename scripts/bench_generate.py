@@ -6,7 +6,13 @@ Two modes (run one or both in one call):
       B random prompts of --prompt-len tokens, --max-tokens new tokens each (ignore_eos). Reports output tok/s
       (generated tokens / wall time of the timed generate call, compilation excluded by a warm-up call) and the
       engine's decode step latency (scheduling + device step + sampling + tokens on the host; median / p10 / p90
-      over the run's decode steps with all B requests in the batch).
+      over the run's decode steps with all B requests in the batch; with multi-step decode a call's wall time is
+      split evenly over the steps it ran). --decode-modes runs each engine decode mode in turn (plain: a decode and
+      a sampling call per step, tokens read every step; fused; overlap; multistep; default = multi-step + overlap,
+      the LLM's defaults) and prints one table. --profile adds, per row, the device time of one decode step at the
+      run's mean context (CUPTI kernel times on a GPU; back-to-back wall clock on a CPU), wall - device (the host
+      overhead per step), and the engine's decode call with a wait after it; --trace-dir writes a jax.profiler
+      trace of each timed run (Perfetto / TensorBoard).
 
   --v3-slice: a full-width random DeepSeek-V3 slice: --v3-layers layers at real dims (hidden 7168, 128 heads,
       q_lora 1536, kv_lora 512, 256 experts top-8, moe_inter 2048, vocab 129280), the first --v3-dense-layers
@@ -21,6 +27,8 @@ Two modes (run one or both in one call):
       layer. --v3-scale tiny shrinks the dims (CPU smoke test of the same code path).
 
     python scripts/bench_generate.py --batch-sizes 1,2,4,8,16,32,64 --out bench/results/generate_h200.json
+    python scripts/bench_generate.py --batch-sizes 1,8,64 --decode-modes plain,fused,overlap,multistep,default \
+        --profile --out bench/results/generate_modes_h200.json
     python scripts/bench_generate.py --v3-slice --backends auto,triton,xla --out bench/results/generate_v3_slice_h200.json
 
 Every figure in the JSON carries the device, jax version, git commit, shapes and dtypes.
@@ -73,51 +81,157 @@ def write_json(path: str, payload: dict) -> None:
 
 
 # ---- mode 1: the engine on a checkpoint ---------------------------------------------------------------------------
+# --decode-modes: name -> LLM keyword arguments (multi_step filled in from --multi-step)
+DECODE_MODES = {
+    "plain": dict(fused_decode=False),                       # one decode + one sampling call per step, tokens read
+    "fused": dict(multi_step=1, overlap=False),               # sampling fused, one transfer each way, still synced
+    "overlap": dict(multi_step=1, overlap=True),              # + next step dispatched before reading this one
+    "multistep": dict(overlap=False),                         # + k steps per device call
+    "default": dict(overlap=True),                            # multi-step + overlap (the LLM's defaults)
+}
+
+
+def device_step_time(llm, batch: int, context: int, iters: int) -> dict:
+    """Device time of one decode step (model forward + sampling) of `batch` sequences of `context` tokens, through
+    the engine's own jitted step and block table width: CUPTI kernel times on a GPU (the sum over the step's
+    kernels, as scripts/check_mla_gpu.py), else the wall clock of back-to-back calls (then bounded by dispatch)."""
+    from mla_jax.engine.cache_storage import as_stored, from_stored
+    from mla_jax.engine.runner import pow2_at_least
+    from mla_jax.engine.sampling import sample
+    from mla_jax.engine.steps import decode_step
+
+    ps = llm.page_size
+    pages = -(-context // ps)
+    width = pow2_at_least(pages, llm.block_table_width) if llm.backend == "xla" else llm.block_table_width
+    bt = np.zeros((batch, width), np.int32)
+    bt[:, :pages] = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages) % (llm.allocator.num_pages - 1)
+    pos = np.full(batch, context - 1, np.int32)
+    slots = bt[:, (context - 1) // ps] * ps + (context - 1) % ps
+    tokens = np.arange(batch, dtype=np.int32) % llm.cfg.vocab_size
+    samp = (np.zeros(batch, np.float32), np.full(batch, -1, np.int32), np.ones(batch, np.float32),
+            np.zeros(batch, np.uint32), np.zeros(batch, np.int32))
+    graphdef, backend, interpret = llm.graphdef, llm.backend, llm.interpret
+
+    def step(weights, caches, tokens, pos, slots, bt, lens, *samp):
+        caches, logits = decode_step(graphdef, weights, from_stored(caches), tokens, pos, slots, bt, lens,
+                                     backend=backend, interpret=interpret)
+        return as_stored(caches), sample(logits, *samp)
+
+    step = jax.jit(step, donate_argnums=1)          # caches updated in place, as in the engine
+    args = [jax.device_put(a) for a in (tokens, pos, slots, bt, pos + 1, *samp)]
+    state = dict(caches=jax.tree.map(jnp.copy, llm.caches))      # a copy: the engine's caches stay valid
+
+    def fn():
+        state["caches"], out = step(llm.weights, state["caches"], *args)
+        return out
+    jax.block_until_ready(fn())
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+        _, runs = profiler.measure(lambda *_: fn(), aggregate=False, iterations=iters)()
+        if not runs:
+            raise RuntimeError("no kernels recorded")
+        totals = [sum(t for _, t in run) for run in runs]
+        return dict(device_step_ms=statistics.median(totals), kernels_per_step=len(runs[0]), method="cupti",
+                    context=context, block_table_width=width)
+    except Exception as e:  # noqa: BLE001 - CUPTI unavailable (CPU): back-to-back wall clock
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            r = fn()
+        jax.block_until_ready(r)
+        return dict(device_step_ms=1e3 * (time.perf_counter() - t0) / iters, context=context,
+                    block_table_width=width, method=f"wallclock back-to-back ({type(e).__name__}: {e})"[:160])
+
+
 def bench_model(args, info) -> dict:
     import mla_jax
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                      attention_backend=args.attention_backend, max_num_seqs=max(batch_sizes),
-                      max_model_len=args.prompt_len + args.max_tokens + 1, interpret=args.interpret, seed=0)
-    print(f"model {args.model}: backend {llm.backend} ({llm.backend_reason}); kv cache {llm.kv_cache_dtype}",
-          flush=True)
+    modes = args.decode_modes.split(",")
+    for m in modes:
+        if m not in DECODE_MODES:
+            raise SystemExit(f"--decode-modes: unknown mode {m!r}; choose from {', '.join(DECODE_MODES)}")
     rng = np.random.default_rng(0)
-    vocab = llm.cfg.vocab_size
+    rows, llm = [], None
+    for mode in modes:
+        kw = dict(DECODE_MODES[mode])
+        if "multi_step" not in kw and kw.get("fused_decode", True):
+            kw["multi_step"] = args.multi_step
+        llm = mla_jax.LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          attention_backend=args.attention_backend, max_num_seqs=max(batch_sizes),
+                          max_model_len=args.prompt_len + args.max_tokens + 1, interpret=args.interpret, seed=0,
+                          **kw)
+        print(f"mode {mode} {kw}: model {args.model}: backend {llm.backend} ({llm.backend_reason}); kv cache "
+              f"{llm.kv_cache_dtype}", flush=True)
+        vocab = llm.cfg.vocab_size
 
-    def prompts(b):
-        return [[int(t) for t in rng.integers(3, vocab, size=args.prompt_len)] for _ in range(b)]
+        def prompts(b):
+            return [[int(t) for t in rng.integers(3, vocab, size=args.prompt_len)] for _ in range(b)]
 
-    rows = []
-    for b in batch_sizes:
-        params = mla_jax.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts(b), mla_jax.SamplingParams(max_tokens=3, ignore_eos=True))   # compiles this bucket
-        warm_s = time.perf_counter() - t
-        llm.step_times.clear()
-        t = time.perf_counter()
-        outs = llm.generate(prompts(b), params)
-        wall = time.perf_counter() - t
-        n_out = sum(len(o.token_ids) for o in outs)
-        dec = [s for (kind, n, _, s) in llm.step_times if kind == "decode" and n == b]
-        ttft = [o.metrics["time_to_first_token_s"] for o in outs]
-        row = dict(batch=b, prompt_len=args.prompt_len, max_tokens=args.max_tokens, output_tokens=n_out,
-                   wall_s=wall, output_tok_s=n_out / wall, warmup_s=warm_s, decode_steps=len(dec),
-                   decode_step_ms_median=1e3 * statistics.median(dec) if dec else None,
-                   decode_step_ms_p10=1e3 * pct(dec, 10) if dec else None,
-                   decode_step_ms_p90=1e3 * pct(dec, 90) if dec else None,
-                   ttft_s_mean=sum(ttft) / len(ttft), preemptions=llm.scheduler.num_preemptions)
-        rows.append(row)
-        print(f"  B={b:4d}  {row['output_tok_s']:9.1f} tok/s  decode step {row['decode_step_ms_median']:.2f} ms "
-              f"(p10 {row['decode_step_ms_p10']:.2f}, p90 {row['decode_step_ms_p90']:.2f})  ttft {row['ttft_s_mean']:.3f} s"
-              f"  (warm-up incl. compile {warm_s:.1f} s)", flush=True)
+        for b in batch_sizes:
+            params = mla_jax.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+            t = time.perf_counter()
+            llm.generate(prompts(b), params)                 # compiles this bucket (every block-table width too)
+            warm_s = time.perf_counter() - t
+            llm.step_times.clear()
+            trace = os.path.join(args.trace_dir, f"{mode}_b{b}") if args.trace_dir else None
+            if trace:
+                jax.profiler.start_trace(trace)
+            t = time.perf_counter()
+            outs = llm.generate(prompts(b), params)
+            wall = time.perf_counter() - t
+            if trace:
+                jax.profiler.stop_trace()
+            n_out = sum(len(o.token_ids) for o in outs)
+            dec = [s for (kind, n, _, s) in llm.step_times if kind == "decode" and n == b]
+            ttft = [o.metrics["time_to_first_token_s"] for o in outs]
+            row = dict(mode=mode, engine_kwargs=kw, batch=b, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                       output_tokens=n_out, wall_s=wall, output_tok_s=n_out / wall, warmup_s=warm_s,
+                       decode_steps=len(dec),
+                       decode_step_ms_median=1e3 * statistics.median(dec) if dec else None,
+                       decode_step_ms_p10=1e3 * pct(dec, 10) if dec else None,
+                       decode_step_ms_p90=1e3 * pct(dec, 90) if dec else None,
+                       ttft_s_mean=sum(ttft) / len(ttft), preemptions=llm.scheduler.num_preemptions,
+                       trace_dir=trace)
+            if args.profile:
+                # the device's share of a step: one decode step at the run's mean context, timed on its own
+                row.update(device_step_time(llm, b, args.prompt_len + args.max_tokens // 2, args.iters))
+                # and the engine's decode call with a wait after each (dispatch + device, per step)
+                times = llm.record_decode_times()
+                llm.generate(prompts(b), params)
+                llm._decode_times = None
+                blocked = [s for (rows_, s) in times]
+                row["decode_call_blocked_ms_median"] = 1e3 * statistics.median(blocked) if blocked else None
+                if row["decode_step_ms_median"] is not None:
+                    row["host_overhead_ms"] = row["decode_step_ms_median"] - row["device_step_ms"]
+            rows.append(row)
+            extra = (f"  device {row['device_step_ms']:.2f} ms ({row['method'].split(' ')[0]}), call+wait "
+                     f"{row['decode_call_blocked_ms_median']:.2f} ms" if args.profile else "")
+            print(f"  {mode:9s} B={b:4d}  {row['output_tok_s']:9.1f} tok/s  decode step {row['decode_step_ms_median']:.2f} ms "
+                  f"(p10 {row['decode_step_ms_p10']:.2f}, p90 {row['decode_step_ms_p90']:.2f})  ttft "
+                  f"{row['ttft_s_mean']:.3f} s{extra}  (warm-up incl. compile {warm_s:.1f} s)", flush=True)
+    print_table(rows, args.profile)
     cfg = llm.cfg
     return dict(mode="model", model=os.path.relpath(os.path.abspath(args.model), REPO), dtype=args.dtype,
                 kv_cache_dtype=llm.kv_cache_dtype, backend=llm.backend, backend_reason=llm.backend_reason,
+                multi_step=args.multi_step, compilation_cache=args.compilation_cache_dir,
                 config=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                             experts=cfg.n_routed_experts, vocab=cfg.vocab_size,
                             awq=cfg.quantization is not None),
                 rows=rows, info=info)
+
+
+def print_table(rows, profile: bool) -> None:
+    cols = ["mode", "batch", "output_tok_s", "decode_step_ms_median", "ttft_s_mean"]
+    if profile:
+        cols += ["device_step_ms", "host_overhead_ms", "decode_call_blocked_ms_median"]
+    head = {"output_tok_s": "tok/s", "decode_step_ms_median": "wall ms/step", "ttft_s_mean": "ttft s",
+            "device_step_ms": "device ms/step", "host_overhead_ms": "wall - device",
+            "decode_call_blocked_ms_median": "call+wait ms/step"}
+    print("\n| " + " | ".join(head.get(c, c) for c in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = [(f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c))) for c in cols]
+        print("| " + " | ".join(cells) + " |")
 
 
 # ---- mode 2: full-width random DeepSeek-V3 slice ------------------------------------------------------------------
@@ -341,6 +455,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "float32"])
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--decode-modes", default="plain,default",
+                    help=f"comma-separated engine decode modes to compare: {', '.join(DECODE_MODES)}")
+    ap.add_argument("--multi-step", type=int, default=8, help="decode steps per device call (multistep, default)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also report per step the device time (CUPTI on a GPU) against the wall time")
+    ap.add_argument("--trace-dir", default=None, help="write a jax.profiler trace of each timed run here")
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR|off",
+                    help="JAX's persistent compilation cache (default: $MLA_JAX_COMPILATION_CACHE, else "
+                         "~/.cache/mla_jax/jax_compilation_cache; 'off' disables it)")
     ap.add_argument("--v3-slice", action="store_true", help="benchmark the full-width random DeepSeek-V3 slice "
                     "instead of --model")
     ap.add_argument("--v3-scale", default="full", choices=["full", "tiny"])
@@ -358,6 +481,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.v3_slice and args.context % 64:
         ap.error("--context must be a multiple of the page size 64")
+    from mla_jax.engine.compile_cache import enable_compilation_cache
+    args.compilation_cache_dir = enable_compilation_cache(args.compilation_cache)
     info = run_info(args.commit)
     if args.out is None:
         dev = info["device"].lower().replace("nvidia ", "").replace(" ", "_")

@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     ap.add_argument("--stream", action="store_true", help="print text as it is generated")
     ap.add_argument("--verbose", action="store_true", help="INFO logging; tracebacks with errors")
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR|off",
+                    help="JAX's persistent compilation cache: a second run with the same shapes compiles nothing "
+                         "(default: $MLA_JAX_COMPILATION_CACHE, else ~/.cache/mla_jax/jax_compilation_cache; "
+                         "'off' disables it)")
     return ap.parse_args(argv)
 
 
@@ -122,6 +126,13 @@ def main(argv=None) -> int:
         sharding.initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     import jax
     import mla_jax
+    from mla_jax.engine.compile_cache import enable_compilation_cache
+
+    try:
+        enable_compilation_cache(args.compilation_cache)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     t_start = time.perf_counter()
     try:

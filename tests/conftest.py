@@ -20,3 +20,7 @@ def load_golden(name: str) -> dict:
     """input_ids int32 [2, S], logits_fp32 / logits_bf16 float32 [2, S, V] (HF eager), meta (JSON str)."""
     with np.load(os.path.join(fixture_path(name), "golden.npz")) as g:
         return {k: g[k] for k in g.files}
+
+# Scripts run in-process by tests (scripts/generate.py) turn on JAX's persistent compilation cache in the user's
+# cache directory by default; tests must not write there (tests/test_compile_cache.py uses a tmp dir).
+os.environ.setdefault("MLA_JAX_COMPILATION_CACHE", "off")

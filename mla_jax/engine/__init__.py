@@ -2,6 +2,10 @@
 
     llm.py        LLM: request handling, the generation loop, jitted step + sampling per bucket
     steps.py      prefill_step / decode_step (pure; absorbed MLA decode through pallas_kernels.mla_decode)
+    decode_loop.py  k decode steps + sampling + stop checks in one jitted call, inputs in one int32 buffer
+    runner.py     the decode fast path: multi-step calls, overlapped scheduling (NOTES.md)
+    cache_storage.py  fp8 latents kept as uint8 bits between jitted calls (in-place writes on XLA:CPU)
+    compile_cache.py  JAX's persistent compilation cache for the entry points
     scheduler.py  continuous batching, chunked prefill, preemption by recompute
     paged.py      page allocator, block tables, slots
     pools.py      per-device page pools and decode rows for data-parallel attention

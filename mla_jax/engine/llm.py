@@ -37,7 +37,9 @@ from mla_jax.quant.awq import configure_w4a16
 from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
+from .cache_storage import as_stored, stored_step
 from .pools import DevicePagePools, decode_rows_by_device
+from .runner import FastDecoder
 from .sampling import sample
 from .scheduler import Request, Scheduler
 from .steps import allocate_caches, decode_step, prefill_step, split_model
@@ -48,6 +50,13 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
 KV_CACHE_DTYPES = ("auto", *pallas_kernels.CACHE_DTYPES)   # auto: the model dtype
 MIN_CHUNK_BUCKET = 16
+
+
+_DECODE_FN = jax.jit(stored_step(decode_step), static_argnums=(0,), static_argnames=("backend", "interpret", "plan"),
+                     donate_argnums=(2,))
+_PREFILL_FN = jax.jit(stored_step(prefill_step), static_argnums=(0,), static_argnames=("all_logits", "plan"),
+                      donate_argnums=(2,))
+_SAMPLE_FN = jax.jit(sample)
 
 
 def _pow2_buckets(cap: int, start: int = 1) -> list[int]:
@@ -78,6 +87,11 @@ class LLM:
         1 GiB where the device reports none, e.g. CPU).
     expert_dispatch, expert_capacity_factor: over several devices, how tokens reach the routed experts
         ("all_gather", the reference and default, or "all_to_all"; mla_jax.expert_parallel).
+    fused_decode: decode through the fast path (engine/runner.py: sampling and stop checks fused into the step's
+        jit, one transfer each way per call); False runs the plain path (one decode and one sampling call per
+        step, tokens read every step). Same tokens either way. One device only: a sharding plan uses the plain path.
+    multi_step: with fused_decode, decode steps per device call while no request can join (default 8).
+    overlap: with fused_decode, dispatch the next decode call before reading the current one's tokens.
     """
 
     def __init__(self, model: Union[str, os.PathLike], dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
@@ -85,7 +99,8 @@ class LLM:
                  tensor_parallel_size: int = 1, interpret: bool = False, seed: int = 0, *,
                  num_pages: Optional[int] = None, max_num_batched_tokens: int = 2048, page_size: int = 64,
                  kv_cache_memory_bytes: Optional[int] = None, data_parallel_attention: bool = False,
-                 expert_dispatch: str = "all_gather", expert_capacity_factor: Optional[float] = None):
+                 expert_dispatch: str = "all_gather", expert_capacity_factor: Optional[float] = None,
+                 fused_decode: bool = True, multi_step: int = 8, overlap: bool = True):
         path = resolve_model_dir(model)       # a path, or the name of an embedded model ("tiny-deepseek-py")
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (give an HF-format directory with "
@@ -105,7 +120,8 @@ class LLM:
                    max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size, interpret=interpret,
                    seed=seed, num_pages=num_pages, max_num_batched_tokens=max_num_batched_tokens,
                    page_size=page_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                   data_parallel_attention=data_parallel_attention, sharding_plan=sharding_plan)
+                   data_parallel_attention=data_parallel_attention, sharding_plan=sharding_plan,
+                   fused_decode=fused_decode, multi_step=multi_step, overlap=overlap)
 
     @classmethod
     def from_model(cls, model, *, tokenizer=None, eos_token_ids: Sequence[int] = (), **kwargs) -> "LLM":
@@ -122,7 +138,8 @@ class LLM:
     def _init(self, model, cfg, *, tokenizer, eos_token_ids, kv_cache_dtype="auto", attention_backend="auto",
               max_model_len=None, max_num_seqs=16, tensor_parallel_size=1, interpret=False, seed=0, num_pages=None,
               max_num_batched_tokens=2048, page_size=64, kv_cache_memory_bytes=None, data_parallel_attention=False,
-              sharding_plan=None, expert_dispatch="all_gather", expert_capacity_factor=None):
+              sharding_plan=None, expert_dispatch="all_gather", expert_capacity_factor=None, fused_decode=True,
+              multi_step=8, overlap=True):
         # Several devices: weights, caches and the step functions' islands follow a mla_jax.sharding.ShardingPlan
         # (tensor-parallel attention, or data-parallel attention; experts split over devices in both).
         if sharding_plan is None and (tensor_parallel_size != 1 or data_parallel_attention):
@@ -181,7 +198,8 @@ class LLM:
         configure_w4a16(model, plan=sharding_plan)
         self.graphdef, self.weights = split_model(model)
         if sharding_plan is None:
-            self.caches = allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)
+            # fp8 latents rest as uint8 bits so the steps update them in place (engine/cache_storage.py)
+            self.caches = as_stored(allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
         else:   # each device allocates only its part of the caches; weights (and W_UK/W_UV) by the rules
             self.caches = sharding.allocate_sharded(sharding_plan, lambda: allocate_caches(
                 cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
@@ -193,13 +211,20 @@ class LLM:
         self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
         # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
         # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
-        self._decode_fn = jax.jit(decode_step, static_argnums=(0,),
-                                  static_argnames=("backend", "interpret", "plan"), donate_argnums=(2,))
-        self._prefill_fn = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits", "plan"),
-                                   donate_argnums=(2,))
+        # (shared by every LLM in the process: engines over equal models share compiled variants)
+        self._decode_fn, self._prefill_fn = _DECODE_FN, _PREFILL_FN
         # sampled tokens are read by the host of every process: replicated
-        self._sample_fn = (jax.jit(sample) if sharding_plan is None
+        self._sample_fn = (_SAMPLE_FN if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
+        # the decode fast path (fused sampling, multi-step, overlap): one device only for now
+        if not isinstance(fused_decode, bool) or not isinstance(overlap, bool):
+            raise ValueError(f"fused_decode and overlap must be bools, got {fused_decode!r} and {overlap!r}")
+        self._fast = None
+        if fused_decode and sharding_plan is None:
+            self._fast = FastDecoder(self, multi_step=multi_step, overlap=overlap)
+        elif fused_decode:
+            logger.info("LLM: the fused / multi-step / overlapped decode runs on one device only; this sharded "
+                        "engine decodes one step per call (fused_decode=False)")
         logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
                     "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
                     page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)
@@ -230,12 +255,15 @@ class LLM:
     # ---- public --------------------------------------------------------------------------------------------
     def num_compiles(self) -> int:
         """Number of compiled variants of the step functions so far (steady state: stops growing)."""
-        return sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
+        fast = self._fast.num_compiles() if self._fast is not None else 0
+        return fast + sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
 
     def record_decode_times(self) -> list[tuple[int, float]]:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
         before sampling (one extra sync) and appends (padded batch rows, seconds) to the returned list, which the
-        caller may clear. For benchmarks: `step_times` also counts scheduling, input transfer and sampling."""
+        caller may clear. On the fast path (fused_decode) each call is waited for and its time split evenly over
+        the k steps it ran (one entry per step), which also turns overlap off while recording. For benchmarks:
+        `step_times` also counts scheduling, input transfer and sampling."""
         self._decode_times = []
         return self._decode_times
 
@@ -285,13 +313,18 @@ class LLM:
                     detok[r.request_id] = IncrementalDetokenizer(self.tokenizer)
         try:
             while self.scheduler.has_unfinished():
-                for req, tok in self._step():
+                events = self._step()
+                # several tokens of one request may come in one step (multi-step decode): its finish_reason,
+                # already set, belongs to its last event only
+                last = {id(req): i for i, (req, _) in enumerate(events)}
+                for i, (req, tok) in enumerate(events):
                     if req.first_token_time is None:
                         req.first_token_time = time.perf_counter()
+                    reason = req.finish_reason if last[id(req)] == i else None
                     delta = detok[req.request_id].push(tok) if req.request_id in detok else ""
-                    if req.finish_reason is not None and req.request_id in detok:
+                    if reason is not None and req.request_id in detok:
                         delta += detok[req.request_id].flush()
-                    yield StreamEvent(req.request_id, tok, delta, req.finish_reason)
+                    yield StreamEvent(req.request_id, tok, delta, reason)
         except BaseException:
             self._abort_all()
             raise
@@ -340,9 +373,7 @@ class LLM:
             return False
         req = live.request
         if req.finish_reason is None:
-            if req in self.scheduler.waiting:
-                self.scheduler.waiting.remove(req)
-            self.scheduler.finish(req, "abort")     # frees its pages
+            self.scheduler.finish(req, "abort")     # leaves the running or waiting queue, frees its pages
         return True
 
     def has_unfinished(self) -> bool:
@@ -479,10 +510,19 @@ class LLM:
         return list(reqs) + [None] * (B - len(reqs))
 
     def _step(self) -> list[tuple[Request, int]]:
+        """One engine step: (request, token) for every token generated, in order (several per request with
+        multi-step decode); a finished request's finish_reason is set when the call returns, and its last event in
+        the list is its last token. Call while scheduler.has_unfinished()."""
+        if self._fast is not None:
+            return self._fast.step()
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        return self._run_plan(plan, t_start)
+
+    def _run_plan(self, plan, t_start: float) -> list[tuple[Request, int]]:
+        """The plain path's step for a Scheduler plan (prefill, or decode with a separate sampling call)."""
         ps = self.page_size
         if plan.kind == "decode":
             reqs = plan.decode

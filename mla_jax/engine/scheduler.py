@@ -211,6 +211,8 @@ class Scheduler:
         req.status = Status.FINISHED
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:          # aborted while waiting (e.g. after a preemption)
+            self.waiting.remove(req)
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []

@@ -78,6 +78,15 @@ def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence
     cfg: ModelConfig = model.cfg
     prec = matmul_precision(model.dtype)
     h = ops.decode_rows(model.embed(tokens))                                        # [B, D]
+    # the split-KV schedule depends only on seq_lens and the shapes: once per step, shared by every layer (one
+    # device; under a sharding plan each island computes its own)
+    shared = {}
+    if plan is None:
+        schedule = pallas_kernels.mla_decode_schedule(
+            seq_lens, block_table, num_heads=cfg.num_attention_heads, cache_dtype=caches[0].dtype,
+            backend=backend, interpret=interpret)
+        if schedule is not None:
+            shared = dict(schedule=schedule)
     new_caches = []
     for layer, cache, (w_uk, w_uv) in zip(model.layers, caches, weights.absorbed):
         attn = layer.self_attn
@@ -93,7 +102,7 @@ def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence
         q = jnp.concatenate([_pad_to(q_lat.astype(qdt), LATENT_DIM), _pad_to(q_rope.astype(qdt), ROPE_DIM)],
                             axis=-1)[:, None]                                       # [B,1,H,576]
         o_lat, _ = ops.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,
-                                  causal=False, backend=backend, interpret=interpret)
+                                  causal=False, backend=backend, interpret=interpret, **shared)
         o_lat = o_lat[:, 0, :, : cfg.kv_lora_rank]                                  # [B,H,Cl]
         o = jnp.einsum("bhc,hvc->bhv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=h.dtype,
                        precision=prec)                                              # [B,H,V]

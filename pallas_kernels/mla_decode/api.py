@@ -297,23 +297,29 @@ def _explicit_mesh(arrays):
 
 @functools.lru_cache(maxsize=None)
 def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, page_size: int,
-             has_scale: bool):
-  """Builds the jittable op for one static configuration: fn(q, latent, rope, [scale], table, lens)."""
+             has_scale: bool, schedule_ndims: tuple[int, ...] = ()):
+  """Builds the jittable op for one static configuration: fn(q, latent, rope, [scale], table, lens, *schedule)
+  (schedule_ndims: ranks of a precomputed schedule's arrays, () = none)."""
   impl = _import_backend(backend).mla_decode
+  n_sched = len(schedule_ndims)
 
   def run_local(*arrays):
+    if n_sched:
+      arrays, schedule = arrays[:-n_sched], tuple(arrays[-n_sched:])
     q, latent, rope, *rest = arrays
     scale = rest.pop(0) if has_scale else None
     block_table, seq_lens = rest
     cache = MLAKVCache(latent=latent, rope=rope, scale=scale, page_size=page_size)
+    extra = dict(schedule=schedule) if n_sched else {}
     out, lse = impl(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
-                    interpret=interpret)
+                    interpret=interpret, **extra)
     return apply_output_contract(out, lse, cache, block_table, seq_lens)
 
   # Sharding: batch (q, block_table, seq_lens, out, lse) and heads (q, out, lse) may be split over mesh axes;
   # everything else is replicated for the kernel (a page-sharded cache is all-gathered: correct, not fast).
   cache_rule = "p t l, p t r, p t g" if has_scale else "p t l, p t r"
-  rule = f"b s h d, {cache_rule}, b n, b -> b s h v, b h s"
+  sched_rule = "".join(", " + " ".join(f"x{k}y{j}" for j in range(nd)) for k, nd in enumerate(schedule_ndims))
+  rule = f"b s h d, {cache_rule}, b n, b{sched_rule} -> b s h v, b h s"
   n_cache = 3 if has_scale else 2
 
   def partition(mesh, arg_shapes, result_shape):
@@ -321,9 +327,13 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     q_shape = arg_shapes[0]
     spec = tuple(getattr(q_shape.sharding, "spec", P()))
     b_axes, h_axes = _split_axes(mesh, q_shape.shape, spec + (None,) * (4 - len(spec)))
+    if n_sched and b_axes is not None:
+      raise ValueError("mla_decode: a precomputed schedule covers the whole batch, but the batch is split over "
+                       f"mesh axes {b_axes}; compute the schedule per device (inside shard_map) or pass "
+                       "schedule=None")
     ns = functools.partial(NamedSharding, mesh)
     arg_shardings = (ns(P(b_axes, None, h_axes, None)), *[ns(P())] * n_cache, ns(P(b_axes, None)),
-                     ns(P(b_axes)))
+                     ns(P(b_axes)), *[ns(P())] * n_sched)
     out_shardings = (ns(P(b_axes, None, h_axes, None)), ns(P(b_axes, h_axes, None)))
     return mesh, run_local, out_shardings, arg_shardings
 
@@ -338,7 +348,10 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     # gather from a replicated pool with batch-sharded indices; read the split from the types and shard_map.
     q_spec = tuple(jax.typeof(arrays[0]).sharding.spec)
     b_axes, h_axes = _split_axes(mesh, arrays[0].shape, q_spec + (None,) * (4 - len(q_spec)))
-    in_specs = (P(b_axes, None, h_axes, None), *[P()] * n_cache, P(b_axes, None), P(b_axes))
+    if n_sched and b_axes is not None:
+      raise ValueError("mla_decode: a precomputed schedule covers the whole batch, but the batch is split over "
+                       f"mesh axes {b_axes}; compute it per device (inside shard_map) or pass schedule=None")
+    in_specs = (P(b_axes, None, h_axes, None), *[P()] * n_cache, P(b_axes, None), P(b_axes), *[P()] * n_sched)
     out_specs = (P(b_axes, None, h_axes, None), P(b_axes, h_axes, None))
     arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, in_specs)]
     return jax.shard_map(run_local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -359,6 +372,9 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
   def _vmap_rule(axis_size, in_batched, *arrays):
     # Fold the vmapped axis into the batch: V calls of batch B become one call of batch V*B. A vmapped cache
     # becomes one pool of V*P pages, with each copy's block table offset by v*P.
+    if n_sched:
+      raise ValueError("mla_decode: vmap with a precomputed schedule is not supported (the schedule describes one "
+                       "batch); pass schedule=None under vmap")
     q, latent, rope, *rest = arrays
     q_b, lat_b, rope_b, *rest_b = in_batched
     v = axis_size
@@ -391,9 +407,49 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
   return jax.jit(batched_op)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitKVSchedule:
+  """A backend's split-KV schedule for one decode step (mla_decode_schedule): device arrays plus the call shape
+  it was made for, which mla_decode checks."""
+  arrays: tuple[jax.Array, ...]
+  backend: str = dataclasses.field(metadata=dict(static=True))
+  batch: int = dataclasses.field(metadata=dict(static=True))
+  rows: int = dataclasses.field(metadata=dict(static=True))          # Sq * H
+  max_pages: int = dataclasses.field(metadata=dict(static=True))
+  cache_dtype: str = dataclasses.field(metadata=dict(static=True))
+
+
+def mla_decode_schedule(seq_lens: jax.Array, block_table: jax.Array, *, num_heads: int, q_len: int = 1,
+                        cache_dtype: str, backend: str = "auto", interpret: bool = False
+                        ) -> SplitKVSchedule | None:
+  """The split-KV schedule mla_decode would compute for these lengths and shapes, computed once so every layer of
+  a decode step can share it (FlashMLA's get_mla_metadata): pass it as mla_decode(..., schedule=...). None for a
+  backend whose split does not depend on the lengths (xla: no split; triton: an even split per sequence)."""
+  name = select_backend(backend, _device_target(_default_device(seq_lens), check_cache_dtype(cache_dtype),
+                                                bool(interpret)))
+  if name != "mosaic_sm90":
+    return None
+  rows = int(q_len) * int(num_heads)
+  arrays = _import_backend(name).make_schedule(seq_lens, block_table.shape[1], rows=rows,
+                                               fp8=cache_dtype == "fp8_e4m3", interpret=bool(interpret))
+  return SplitKVSchedule(tuple(arrays), name, seq_lens.shape[0], rows, block_table.shape[1], cache_dtype)
+
+
+def _check_schedule(schedule, backend: str, q, cache: MLAKVCache, block_table) -> None:
+  b, sq, h, _ = q.shape
+  if not isinstance(schedule, SplitKVSchedule):
+    raise ValueError(f"schedule must come from pallas_kernels.mla_decode_schedule, got {type(schedule).__name__}")
+  want = (backend, b, sq * h, block_table.shape[1], cache.dtype)
+  got = (schedule.backend, schedule.batch, schedule.rows, schedule.max_pages, schedule.cache_dtype)
+  if got != want:
+    raise ValueError(f"mla_decode: the schedule was made for (backend, batch, Sq*H, max_pages, cache dtype) = "
+                     f"{got}, this call is {want}; compute it with mla_decode_schedule for these arguments")
+
+
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool = False, backend: str = "auto",
-               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+               interpret: bool = False, schedule: SplitKVSchedule | None = None) -> tuple[jax.Array, jax.Array]:
   """MLA decode attention over a paged latent cache (FlashMLA semantics, docs/architecture.md §3).
 
   q [B, Sq, H, 576] bf16 (absorbed q_nope 512 | q_rope 64); cache MLAKVCache; block_table int32 [B, max_pages];
@@ -402,11 +458,17 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   A length-0 sequence gives out 0, lse +inf. Works under jit, vmap (any argument) and with NamedSharding'd
   inputs (batch and/or heads split over a mesh) without shard_map.
   backend: "auto" | "mosaic_sm90" | "triton" | "xla"; interpret=True runs Pallas kernels in interpret mode.
+  schedule: mla_decode_schedule's result for these lengths and shapes, shared by the layers of a step (None:
+  computed inside, the same values). The results are identical either way.
   """
   validate_inputs(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal)
   target = _device_target(_default_device(q), cache.dtype, bool(interpret))
   name = select_backend(backend, target)
+  sched_arrays = ()
+  if schedule is not None:
+    _check_schedule(schedule, name, q, cache, block_table)
+    sched_arrays = schedule.arrays
   op = _make_op(name, float(softmax_scale), bool(causal), bool(interpret), cache.page_size,
-                cache.scale is not None)
+                cache.scale is not None, tuple(x.ndim for x in sched_arrays))
   arrays = [cache.latent, cache.rope] + ([cache.scale] if cache.scale is not None else [])
-  return op(q, *arrays, block_table, seq_lens)
+  return op(q, *arrays, block_table, seq_lens, *sched_arrays)

@@ -479,14 +479,25 @@ def _interpret_params(interpret):
   return plgpu.InterpretGPUParams() if interpret else False
 
 
+def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The split-KV schedule (cu, sched, payload) of a call with `rows` = Sq * H query rows per sequence, a block
+  table `max_pages` wide and these lengths: what mla_decode computes when it is not given one. It depends only on
+  seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata)."""
+  plan = make_plan(rows, fp8)
+  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
+  return schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
+
+
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None,
-               split_p: bool | None = None) -> tuple[jax.Array, jax.Array]:
+               split_p: bool | None = None, schedule=None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
-  what api.py calls) lets make_plan pick them.
+  what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
+  and shapes (None: computed here).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -507,7 +518,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   q_nope = qf[..., :LATENT_DIM].astype(jnp.float16) if fp8 else qf
   max_pages = block_table.shape[1]
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
+  if schedule is None:
+    cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
+  else:
+    cu, sched, payload = schedule
+    parts_padded = 1 << (plan.num_parts - 1).bit_length()
+    if sched.shape != (4, parts_padded) or cu.shape[0] < batch + 1:
+      raise ValueError(f"mosaic_sm90: the schedule (cu {cu.shape}, sched {sched.shape}) was made for another "
+                       f"shape than this call's (batch {batch}, {plan.num_parts} shares); compute it with "
+                       "pallas_kernels.mla_decode_schedule for these arguments")
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())

@@ -90,9 +90,10 @@ def test_user_while_loop_greedy_decode_matches_generate():
 
 
 def test_no_recompilation_in_steady_state():
-    """After a warm-up, new requests of the same shape buckets (other tokens, other sampling params, other
-    batch compositions within a bucket) compile nothing: one compiled variant per bucket."""
-    g = golden("v3_yarn")
+    """After a warm-up, new requests of the same shape buckets (other tokens, other sampling parameter values,
+    other seeds) compile nothing: one compiled variant per bucket. The warm-up runs the same batch sizes, prompt
+    lengths and max_tokens as the measured round (chunked prefill splits prompts by those, so they pick the
+    prefill buckets)."""
     llm = LLM(os.path.join(FIXTURES, "v3_yarn"), dtype="float32", **V3_ENGINE)
     rng = np.random.default_rng(0)
     vocab = llm.cfg.vocab_size
@@ -100,14 +101,19 @@ def test_no_recompilation_in_steady_state():
     def batch(k):
         return [[int(t) for t in rng.integers(2, vocab, size=5)] for _ in range(k)]
 
-    llm.generate(batch(3) + batch(1), SamplingParams(max_tokens=6, ignore_eos=True))   # warm-up: buckets 4, 2, 1
-    llm.generate(batch(1), SamplingParams(max_tokens=3, ignore_eos=True))
-    llm.generate(batch(2), SamplingParams(max_tokens=3, ignore_eos=True))
+    def round_(temperature, top_p, seed):
+        # ignore_eos: a sampled eos would change the batch composition, i.e. the buckets, between rounds
+        llm.generate(batch(3), SamplingParams(temperature=temperature, top_k=5, max_tokens=6, seed=seed,
+                                              ignore_eos=True))
+        llm.generate(batch(4), [SamplingParams(max_tokens=k, ignore_eos=True, logprobs=True) for k in (1, 4, 6, 2)])
+        llm.generate(batch(1) + batch(1), SamplingParams(temperature=temperature, top_p=top_p, max_tokens=5,
+                                                         ignore_eos=True))
+
+    round_(0.7, 0.9, 11)                                     # warm-up
     warm = llm.num_compiles()
     assert warm >= 3
-    llm.generate(batch(3), SamplingParams(temperature=0.9, top_k=5, max_tokens=6, seed=1))
-    llm.generate(batch(4), [SamplingParams(max_tokens=k, ignore_eos=True, logprobs=True) for k in (1, 4, 6, 2)])
-    llm.generate(batch(1) + batch(1), SamplingParams(temperature=0.5, top_p=0.5, max_tokens=5))
+    round_(0.9, 0.5, 1)
+    round_(1.3, 0.8, 7)
     assert llm.num_compiles() == warm
 
 

@@ -48,16 +48,17 @@ def xla_cpu_pool_size(environ: MutableMapping[str, str], cpus: int) -> int:
   return cpus
 
 
-def reserve_cpu_threads(min_threads: int = MIN_CPU_THREADS,
+def reserve_cpu_threads(min_threads: int = MIN_CPU_THREADS, *, override_user: bool = False,
                         environ: MutableMapping[str, str] | None = None, cpus: int | None = None) -> bool:
   """Sets PJRT_NPROC=min_threads when XLA:CPU would otherwise create fewer intra-op threads; True if it did.
 
   Takes effect only if it runs before JAX creates its CPU client (the first computation or jax.devices()).
-  A PJRT_NPROC that is already set is the user's choice and is left alone (check_cpu_threads judges it).
+  A PJRT_NPROC that is already set is the user's choice and is left alone (check_cpu_threads judges it), unless
+  override_user (the test suite, which must neither hang nor refuse).
   """
   environ = os.environ if environ is None else environ
   cpus = schedulable_cpus() if cpus is None else cpus
-  if "PJRT_NPROC" in environ or xla_cpu_pool_size(environ, cpus) >= min_threads:
+  if ("PJRT_NPROC" in environ and not override_user) or xla_cpu_pool_size(environ, cpus) >= min_threads:
     return False
   environ["PJRT_NPROC"] = str(min_threads)
   return True

@@ -54,13 +54,17 @@ def test_xla_pool_size_rule(environ, cpus, pool):
 
 def test_reserve_raises_small_pools_and_respects_the_users_choice():
   env = {}
-  assert gpu_interpret.reserve_cpu_threads(8, env, cpus=2) and env == {"PJRT_NPROC": "8"}
+  assert gpu_interpret.reserve_cpu_threads(8, environ=env, cpus=2) and env == {"PJRT_NPROC": "8"}
   env = {"NPROC": "1"}                                  # NPROC is overridden through PJRT_NPROC
-  assert gpu_interpret.reserve_cpu_threads(8, env, cpus=64) and env["PJRT_NPROC"] == "8"
+  assert gpu_interpret.reserve_cpu_threads(8, environ=env, cpus=64) and env["PJRT_NPROC"] == "8"
   env = {}
-  assert not gpu_interpret.reserve_cpu_threads(8, env, cpus=16) and env == {}   # enough cores: untouched
+  assert not gpu_interpret.reserve_cpu_threads(8, environ=env, cpus=16) and env == {}   # enough cores: untouched
   env = {"PJRT_NPROC": "2"}
-  assert not gpu_interpret.reserve_cpu_threads(8, env, cpus=2) and env == {"PJRT_NPROC": "2"}
+  assert not gpu_interpret.reserve_cpu_threads(8, environ=env, cpus=2) and env == {"PJRT_NPROC": "2"}
+  assert gpu_interpret.reserve_cpu_threads(8, override_user=True, environ=env, cpus=2) and env["PJRT_NPROC"] == "8"
+  env = {"PJRT_NPROC": "12"}                            # larger than asked: never lowered
+  assert not gpu_interpret.reserve_cpu_threads(8, override_user=True, environ=env, cpus=2)
+  assert env == {"PJRT_NPROC": "12"}
 
 
 def test_mosaic_interpret_on_one_core_finishes_and_is_correct():

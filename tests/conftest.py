@@ -4,6 +4,12 @@ import os
 
 import numpy as np
 
+from pallas_kernels import gpu_interpret
+
+# Before any test starts JAX: an XLA:CPU pool large enough that Mosaic GPU interpret mode cannot deadlock on a
+# 2-core CI machine (pallas_kernels/gpu_interpret.py), even where the environment sets a smaller PJRT_NPROC.
+gpu_interpret.reserve_cpu_threads(override_user=True)
+
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 # HF transformers reference checkpoints (config.json + safetensors + golden.npz); see scripts/make_fixtures.py.
 HF_FIXTURES = ("v3_yarn", "v2_lite", "real_dims", "v2_group_limited", "v3_plain")

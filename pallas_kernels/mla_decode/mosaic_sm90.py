@@ -38,6 +38,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
@@ -114,6 +115,9 @@ def _num_sms() -> int:
     pass
   return 4
 
+
+# Warpgroups per CTA: two compute, one TMA producer.
+NUM_WARPGROUPS = 3
 
 # Query rows (Sq*H packed) one CTA holds (wgmma N); more rows -> head groups in one launch (grid axis "g").
 MAX_ROWS_PER_CTA = 32
@@ -463,7 +467,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
-      grid_names=("g", "part"), num_threads=3, thread_name="wg",
+      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
       # No automatic warpgroup barrier around SMEM stores: every SMEM hand-off here is already ordered by an
       # mbarrier (each thread arrives with release semantics) or by commit_smem, and the automatic barriers cost
       # 2 warpgroup syncs per store (they made the fp8 h16 kernel ~10% slower on the H200, bench/HISTORY.md).
@@ -505,6 +509,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 supports bfloat16 and fp8_e4m3 caches, got {cache.dtype}")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
+  if interpret:
+    gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,

@@ -16,4 +16,4 @@ if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,train,serve]"
+.venv/bin/python -m pip install -q -e ".[test,train,serve,plot]"

@@ -101,7 +101,13 @@ class FastDecoder:
             rows = llm._decode_rows(plan.decode)
             cur = self._dispatch_fresh(rows)
         self.inflight = self._continuation(cur) if self.overlap else None
-        return self._collect(cur)
+        events = self._collect(cur)
+        nxt = self.inflight
+        if nxt is not None and not any(r is not None and r.status is Status.RUNNING for r in nxt.rows):
+            # every request the continuation carries stopped in cur (eos / stop token): nothing will read it, and
+            # holding it would keep finished requests alive until the next step
+            self.inflight = None
+        return events
 
     # ---- planning ------------------------------------------------------------------------------------------------
     def _remaining(self, r: Request) -> int:

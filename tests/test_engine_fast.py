@@ -240,3 +240,24 @@ def test_aborting_a_waiting_request_removes_it_from_the_queue():
     assert list(sched.waiting) == [] and b.finish_reason == "abort"
     sched.finish(a, "abort")
     assert not sched.has_unfinished() and sched.allocator.num_free == sched.allocator.num_usable
+
+
+def test_finished_or_aborted_requests_are_not_kept_by_an_in_flight_call(engines):
+    """An overlapped continuation whose requests all stopped (eos, stop token, abort) is forgotten: nothing reads
+    it, and it must not keep finished requests alive until some later step."""
+    import gc
+    llm = engines["overlap_k1"]
+    g = golden()
+    ids = [llm.add_request(list(p), SamplingParams(max_tokens=g["max_new_tokens"], ignore_eos=True))
+           for p in g["prompts"][:2]]
+    for _ in range(20):                                   # through prefill, until a continuation is on the device
+        llm.step()
+        if llm._fast.inflight is not None:
+            break
+    assert llm._fast.inflight is not None and llm.has_unfinished()
+    for i in ids:
+        assert llm.abort_request(i)
+    assert llm._fast.inflight is None
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id in ids
+                and o.finish_reason == "abort"]

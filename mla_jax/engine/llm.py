@@ -374,6 +374,8 @@ class LLM:
         req = live.request
         if req.finish_reason is None:
             self.scheduler.finish(req, "abort")     # leaves the running or waiting queue, frees its pages
+            if self._fast is not None:
+                self._fast.release_finished()
         return True
 
     def has_unfinished(self) -> bool:
@@ -467,6 +469,8 @@ class LLM:
         for r in list(self.scheduler.running):
             self.scheduler.finish(r, "abort")
         self.scheduler.waiting.clear()
+        if self._fast is not None:
+            self._fast.release_finished()
 
     def _output(self, r: Request, t0: float, t1: float) -> RequestOutput:
         text = ""

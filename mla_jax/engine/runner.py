@@ -102,12 +102,16 @@ class FastDecoder:
             cur = self._dispatch_fresh(rows)
         self.inflight = self._continuation(cur) if self.overlap else None
         events = self._collect(cur)
+        self.release_finished()
+        return events
+
+    def release_finished(self) -> None:
+        """Forgets the in-flight call when none of its requests still runs (all stopped by eos / a stop token in
+        the call before, or were aborted): nothing will read it, and holding it would keep finished requests alive
+        until the next step. Its device work is wasted, never wrong: stopped rows write nothing."""
         nxt = self.inflight
         if nxt is not None and not any(r is not None and r.status is Status.RUNNING for r in nxt.rows):
-            # every request the continuation carries stopped in cur (eos / stop token): nothing will read it, and
-            # holding it would keep finished requests alive until the next step
             self.inflight = None
-        return events
 
     # ---- planning ------------------------------------------------------------------------------------------------
     def _remaining(self, r: Request) -> int:

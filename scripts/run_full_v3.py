@@ -72,6 +72,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill chunk (tokens per step)")
     ap.add_argument("--lower", action="store_true", help="dry run: also trace and lower the decode step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None,
+                    help="git commit to record (the device machine's copy of the tree has no usable .git)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/full_v3_<kind>.json)")
     return ap.parse_args(argv)
 
@@ -186,7 +188,7 @@ def dry_run(cfg, args) -> dict:
     return {"kind": "dry_run", "devices": f"{n} simulated CPU devices", "config": "DeepSeek-V3 "
             f"full width, {cfg.num_hidden_layers} layers, AWQ int4 group {args.group_size}, bf16 activations, "
             f"{args.kv_cache_dtype} cache",
-            "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": rows, **env_info()}
+            "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": rows, **env_info(args.commit)}
 
 
 def lower_decode(graphdef, weights, caches, plan, cfg, batch, args) -> dict:
@@ -236,7 +238,7 @@ def run(cfg, args, out_path: str) -> None:
               f"{cfg.num_hidden_layers} layers ({cfg.first_k_dense_replace} dense), AWQ int4 group "
               f"{cfg.quantization.group_size} random weights, bf16 activations, {args.kv_cache_dtype} cache",
               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "per_device_batch": args.per_device_batch,
-              "rows": [], "layer_dispatch": [], "skipped": [], **env_info()}
+              "rows": [], "layer_dispatch": [], "skipped": [], **env_info(args.commit)}
     for n, mode, dispatch in run_configs(args):
         if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
             result["skipped"].append(dict(devices=n, mode=mode, dispatch=dispatch, reason="--time-budget-s"))
@@ -464,15 +466,17 @@ def print_row(row) -> None:
           f"{r['seconds'] * 1e3:8.2f}")
 
 
-def env_info() -> dict:
+def env_info(commit_override: str | None = None) -> dict:
     import subprocess
 
     import jax
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = None
+    commit = commit_override
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        except OSError:
+            commit = None
     return {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "platform": jax.devices()[0].platform,
             "num_devices": jax.device_count(), "git_commit": commit}
 

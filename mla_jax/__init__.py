@@ -4,7 +4,7 @@ Public names are imported lazily, so a module that is not built yet (e.g. the en
 `import mla_jax`. To export a new name, add it to `_EXPORTS` as name -> module.
 """
 
-import importlib
+from mla_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "load_model": "mla_jax.checkpoint.load",
@@ -18,14 +18,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mla_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

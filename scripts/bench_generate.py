@@ -49,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mla_jax import cli
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-py")
 HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (docs/architecture.md §11)
 
 
@@ -447,7 +448,7 @@ def bench_v3_slice(args, info) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=cli.DEFAULT_MODEL, help="a model directory or an embedded model's name")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)

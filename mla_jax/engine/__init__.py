@@ -14,12 +14,12 @@
     params.py     SamplingParams, RequestOutput
     text.py       tokenizer, chat templates, incremental detokenization
 """
-import importlib
+from mla_jax._lazy import lazy_exports
 
 from .params import RequestOutput, SamplingParams
 
 # Names from llm.py and steps.py are imported on first use: importing mla_jax.engine.text or .params must not
-# pull in jax / flax / the kernels. Same pattern as mla_jax/__init__.py: name -> module.
+# pull in jax / flax / the kernels (mla_jax._lazy, as mla_jax/__init__.py does): name -> module.
 _EXPORTS = {
     "LLM": "mla_jax.engine.llm",
     "StreamEvent": "mla_jax.engine.llm",
@@ -33,11 +33,4 @@ _EXPORTS = {
 
 __all__ = ["SamplingParams", "RequestOutput", *_EXPORTS]
 
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mla_jax.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

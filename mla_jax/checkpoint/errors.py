@@ -83,7 +83,8 @@ def ignore_closed_loop_reports() -> None:
     """When one read of an orbax restore fails, orbax closes its event loop while tensorstore still finishes the
     other reads; each then reports RuntimeError('Event loop is closed') through sys.unraisablehook, a stray
     traceback after the real error (already raised, naming the file). This drops exactly those reports and passes
-    every other one to the hook that was installed before. Installed once, on the first failed restore."""
+    every other one to the hook that was installed before. Installed once, before the first restore: installed only
+    after a failure, it raced the reports (seen in CI)."""
     global _ignoring
     if _ignoring:
         return
@@ -103,7 +104,6 @@ def restore_error(directory: str | os.PathLike, exc: BaseException) -> Checkpoin
     """The CheckpointError for an orbax restore of `directory` (one weights group of a converted checkpoint) that
     raised `exc`: a missing, truncated or corrupt file in it. The first line of orbax's/tensorstore's message
     names the tensor."""
-    ignore_closed_loop_reports()
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     return CheckpointError(directory, f"cannot be read ({type(exc).__name__}: {first}): a file in it is missing, "
                            "truncated or corrupt", RECONVERT)

@@ -45,7 +45,8 @@ _MAGIC_BITS = 0x4300
 
 # Defaults from the H200 sweeps in NOTES.md: the grouped (MoE) kernels ran best with 8 warps; the dense ones with
 # 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
-DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None)
+DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None,
+                      orient="mk")
 MOE_CONFIG = dict(num_warps=8)
 
 
@@ -76,7 +77,7 @@ def _plane_ptx(words: jax.Array, j: int) -> jax.Array:
 
 def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *,
             block_m: int, block_n: int, group: int, k: int, n_chunks: int, chunks_per_split: int, gated: bool,
-            up_offset: int, weighted: bool, split: bool, decode: str):
+            up_offset: int, weighted: bool, split: bool, decode: str, swap: bool):
   b, p, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   expert = block_expert_ref[b]
   plane_fn = _plane_ptx if decode == "ptx" else _plane_jnp
@@ -96,28 +97,42 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
       k0 = c * layout.CHUNK_K
       xs, xsums = [], []
       for j in range(layout.NIBBLES):
-        kk = k0 + j * layout.PLANE_K + lax.broadcasted_iota(jnp.int32, (1, layout.PLANE_K), 1)
-        xj = pltriton.load(x_ref.at[safe[:, None], kk], mask=valid[:, None] & (kk < k), other=0.0)
+        kk = k0 + j * layout.PLANE_K + lax.broadcasted_iota(jnp.int32, (layout.PLANE_K, 1), 0)   # [32, 1]
+        if swap:   # x_j^T [32, bm]: the small operand sits on the product's N side
+          xj = pltriton.load(x_ref.at[safe[None, :], kk], mask=valid[None, :] & (kk < k), other=0.0)
+          xsums.append(jnp.sum(xj.astype(jnp.float32), axis=0, keepdims=True))             # [1, bm]
+        else:      # x_j [bm, 32]
+          kr = kk.reshape(1, layout.PLANE_K)
+          xj = pltriton.load(x_ref.at[safe[:, None], kr], mask=valid[:, None] & (kr < k), other=0.0)
+          xsums.append(jnp.sum(xj.astype(jnp.float32), axis=1, keepdims=True))             # [bm, 1]
         xs.append(xj)
-        xsums.append(jnp.sum(xj.astype(jnp.float32), axis=1, keepdims=True))               # [bm, 1]
       new = []
       for acc, col in zip(accs, cols):
         words = pltriton.load(w_ref.at[expert, pl.ds(c * layout.PLANE_K, layout.PLANE_K), pl.ds(col, block_n)],
                               eviction_policy="evict_first")                             # [32, BN]
+        if swap:
+          words = words.T                                                                 # [BN, 32]
         planes = [plane_fn(words, j) for j in range(layout.NIBBLES)]
         for gi in range(groups_per_chunk):
           js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
-          d = sum(pltriton.dot(xs[j], planes[j]) for j in js)                             # [bm, BN] f32
+          if swap:   # [BN, 32] x [32, bm] -> [BN, bm]
+            d = sum(pltriton.dot(planes[j], xs[j]) for j in js)
+          else:      # [bm, 32] x [32, BN] -> [bm, BN]
+            d = sum(pltriton.dot(xs[j], planes[j]) for j in js)
           xsum = sum(xsums[j] for j in js)
           g = c * groups_per_chunk + gi
           sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
           zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc
+          if swap:
+            sc, zo = sc.T, zo.T                                                           # [BN, 1]
           acc = acc + d * sc - xsum * zo
         new.append(acc)
       return tuple(new)
 
-    zero = jnp.zeros((block_m, block_n), jnp.float32)
+    zero = jnp.zeros((block_n, block_m) if swap else (block_m, block_n), jnp.float32)
     accs = lax.fori_loop(c_lo, c_hi, body, (zero,) * len(cols))
+    if swap:
+      accs = tuple(a.T for a in accs)                                                     # [bm, BN]
     out_rows = pl.ds(b * block_m, block_m)
     if split:                                   # float32 partials: [S, rows, N_out(, both halves)]
       for acc, col in zip(accs, cols):
@@ -158,7 +173,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   split = splits > 1
   kernel = functools.partial(
       _kernel, block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
-      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"])
+      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"],
+      swap=cfg["orient"] == "swap")
   if split:
     out_shape = jax.ShapeDtypeStruct((splits, nb * block_m, w.n_pad), jnp.float32)
   else:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.testing import copy_ceiling_gbps, time_calls
-from pallas_kernels.w4a16 import api, layout, routing
+from pallas_kernels.w4a16 import api, layout, routing, triton
 
 DENSE_SHAPES = ((7168, 18432), (18432, 7168), (7168, 24576), (16384, 7168))
 MOE = dict(experts=256, hidden=7168, inter=2048, top_k=8)
@@ -76,13 +76,19 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
         err = rel_err(f_tri(*sets[0], w13, w2), f_xla(*sets[0], w13, w2))
       t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets], max_calls=500)
+      # the two grouped kernels alone, routing precomputed: the rest of t_tri is routing.align and combine
+      bm = api.default_block_m(t, k, e)
+      rts = [routing.align(s[1], s[2], e, bm) for s in sets]
+      busy = min(rts[0].num_blocks, e, t * k)
+      f_kern = jax.jit(lambda x, rt, w13, w2: triton.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
+      t_kern = time_calls(f_kern, [(s[0], rt, w13, w2) for s, rt in zip(sets, rts)], max_calls=500)
       t_xla = None
       if t in xla_ts:
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
         t_xla = time_calls(f_xla, [(*s, w13, w2) for s in sets], min_batch_s=0.01, batches=3, max_calls=500)
       used = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
       nbytes = used * per_expert + 2 * t * d * 2
-      rows.append(dict(op="moe", t=t, group=g, experts_used=used, us=t_tri * 1e6,
+      rows.append(dict(op="moe", t=t, group=g, experts_used=used, us=t_tri * 1e6, kernels_us=t_kern * 1e6,
                        xla_us=None if t_xla is None else t_xla * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3),
                        rel_err_vs_xla=err, config=config))
@@ -132,6 +138,7 @@ def main(argv=None):
   ap.add_argument("--sweep-configs", default=None,
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
   ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
+  ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep")
   ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
   args = ap.parse_args(argv)
   commit = args.commit
@@ -162,7 +169,8 @@ def main(argv=None):
     for cfg in configs:
       sweep_rows = []
       bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1])
-      bench_dense(sweep_rows, ceiling, (16,), True, config=cfg, check=False)
+      bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
+                  check=False)
       for r in sweep_rows:
         r["sweep"] = True
       rows.extend(sweep_rows)
@@ -178,7 +186,7 @@ def main(argv=None):
   save()
 
   print(f"\n{dev.device_kind}, jax {jax.__version__}, commit {commit}, copy {ceiling:.0f} GB/s")
-  print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8}")
+  print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8} {'kern us':>8}")
   for r in rows:
     if r["op"] == "check_f64":
       print(f"check  decode={r['decode']:4} max err {r['max_err_rel_to_max']:.2e} ok={r['ok']}")
@@ -191,7 +199,8 @@ def main(argv=None):
     tag = " sweep " + json.dumps(r["config"]) if r.get("sweep") else ""
     xla = f"{r['xla_us']:9.1f}" if r.get("xla_us") else f"{'-':>9}"
     err = f"{r['rel_err_vs_xla']:.1e}" if r.get("rel_err_vs_xla") is not None else "-"
-    print(f"{r['op']:6} {shape:>22} {r['us']:9.1f} {xla} {r['gbps']:7.0f} {r['pct_copy']:6.1f} {err:>8}{tag}")
+    kern = f"{r['kernels_us']:8.1f}" if r.get("kernels_us") else f"{'-':>8}"
+    print(f"{r['op']:6} {shape:>22} {r['us']:9.1f} {xla} {r['gbps']:7.0f} {r['pct_copy']:6.1f} {err:>8} {kern}{tag}")
   print(f"wrote {args.out}")
 
 

@@ -26,8 +26,9 @@ EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_s"}
 
 
-def child(generate_argv: list[str]) -> None:
-  """Runs generate.main in this process with JAX's monitoring listeners installed; prints one JSON line."""
+def child(generate_argv: list[str], cprofile: bool = False) -> None:
+  """Runs generate.main in this process with JAX's monitoring listeners installed (and cProfile when asked);
+  prints one JSON line."""
   t_start = time.perf_counter()
   from jax import monitoring
   totals = collections.defaultdict(float)
@@ -51,18 +52,32 @@ def child(generate_argv: list[str]) -> None:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import generate
   t_imported = time.perf_counter()
+  profiler = None
+  if cprofile:
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
   rc = generate.main(generate_argv)
   t_end = time.perf_counter()
+  hot = []
+  if profiler is not None:
+    import pstats
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    for (file, line, fn), (_, ncalls, _, cum, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:60]:
+      hot.append(dict(fn=f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({fn})",
+                      calls=ncalls, cum_s=round(cum, 3)))
   slowest = sorted(per_fun.items(), key=lambda kv: -kv[1])[:12]
   print(_MARK + json.dumps(dict(
       rc=rc, wall_s=t_end - t_start, import_s=t_imported - t_start, **{k: totals[k] for k in EVENTS.values()},
-      counts=dict(counts), slowest=[dict(kind=k, fun=f, s=s) for (k, f), s in slowest])), flush=True)
+      counts=dict(counts), slowest=[dict(kind=k, fun=f, s=s) for (k, f), s in slowest], cprofile=hot)),
+      flush=True)
 
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if argv and argv[0] == "--child":
-    child(argv[1:])
+  if argv and argv[0] in ("--child", "--child-cprofile"):
+    child(argv[1:], cprofile=argv[0] == "--child-cprofile")
     return 0
   own, _, generate_argv = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv else (
       argv, None, [])
@@ -71,6 +86,8 @@ def main(argv=None) -> int:
   ap.add_argument("--cache-dir", default=None, help="compilation cache directory (default: a new temporary one)")
   ap.add_argument("--out", default="bench/results/startup.json")
   ap.add_argument("--commit", default=None)
+  ap.add_argument("--cprofile", action="store_true", help="also profile each run with cProfile (top 60 by "
+                  "cumulative time in the JSON; the last run's top 25 printed)")
   args = ap.parse_args(own)
   if args.runs < 1:
     ap.error("--runs must be at least 1")
@@ -78,7 +95,8 @@ def main(argv=None) -> int:
   result = dict(commit=args.commit, cache_dir=cache_dir, generate_args=generate_argv, runs=[])
   for i in range(args.runs):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--compilation-cache", cache_dir,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-cprofile" if args.cprofile else "--child",
+                           "--compilation-cache", cache_dir,
                            *generate_argv], capture_output=True, text=True)
     process_s = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
@@ -112,6 +130,10 @@ def main(argv=None) -> int:
   print("slowest in the last run:")
   for s in result["runs"][-1]["slowest"]:
     print(f"  {s['kind']:12} {s['s']:7.3f} s  {s['fun']}")
+  if args.cprofile:
+    print("cProfile, last run, by cumulative time:")
+    for h in result["runs"][-1]["cprofile"][:25]:
+      print(f"  {h['cum_s']:8.3f} s {h['calls']:>8}  {h['fn']}")
   print(f"wrote {args.out}")
   return 0
 

@@ -47,7 +47,7 @@ _MAGIC_BITS = 0x4300
 # 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None,
                       orient="mk")
-MOE_CONFIG = dict(num_warps=8)
+MOE_CONFIG = dict(num_warps=4, orient="swap", block_n=64)
 
 
 def _plane_jnp(words: jax.Array, j: int) -> jax.Array:

@@ -201,3 +201,22 @@ def test_backend_rules(caplog):
       api.w4a16_matmul(jnp.ones((2, 128), jnp.float32), w)
   lines = [r for r in caplog.records if "w4a16 backend" in r.getMessage()]
   assert len(lines) == 1 and "xla" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("orient", ["mk", "swap"])
+def test_kernel_orientations_vs_float64(orient):
+  """Both product orientations of the Triton kernel (dense with a K split, and the gated MoE) on fresh inputs."""
+  rng = np.random.default_rng(11)
+  q, z, s = rand_awq(rng, 768, 192, 64)
+  w = to_device(layout.pack(q, z, s, 64, xp=np))
+  x = jnp.asarray(rng.standard_normal((5, 768)), jnp.bfloat16)
+  y = api.w4a16_matmul(x, w, backend="triton", interpret=True, config=dict(orient=orient, splits=2))
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
+  e, d, i, g, t, k = 5, 256, 128, 64, 6, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  xm = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  ym = api.w4a16_moe(xm, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="triton", interpret=True,
+                     config=dict(orient=orient))
+  assert max_rel(ym, moe_ref64(xm, ids, wts, gate, up, down, g)) < 1.5e-2

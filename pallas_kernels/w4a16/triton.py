@@ -22,6 +22,11 @@ valid rows, so padding rows of a block are neither written nor read downstream. 
 (and gates) after the kernel.
 
 decode = "jnp" (shift/and/or/truncate in jnp; what interpret mode runs) or "ptx" (inline PTX, _nibble_asm).
+
+orient = "swap" (the default) computes the transposed products acc^T [BN, bm] += q_j^T [BN, 32] . x_j^T [32, bm]:
+the decoded weights are the left (M-side) operand, which on Hopper Triton can feed to wgmma from registers, and
+the few token rows sit on N. "mk" is the plain orientation above (x on the left), kept as a variant: on the H200
+it was 1.5x slower for the MoE at T = 64 (NOTES.md).
 """
 from __future__ import annotations
 
@@ -43,11 +48,12 @@ from pallas_kernels.w4a16 import layout
 _MAGIC = 128.0                 # (nibble | 0x4300) as bf16 == 128 + nibble
 _MAGIC_BITS = 0x4300
 
-# Defaults from the H200 sweeps in NOTES.md: the grouped (MoE) kernels ran best with 8 warps; the dense ones with
-# 2 warps for 16-row blocks (2 warps with 64-row blocks ran 40x slower: 4 there). `config` overrides any key.
+# Defaults from the H200 sweeps in NOTES.md: both the grouped (MoE) and the dense kernels run best in the swapped
+# orientation with 4 warps and 64-column tiles (the dense ones with more K splits). `config` overrides any key.
 DEFAULT_CONFIG = dict(num_warps=4, num_stages=3, block_n=128, decode="ptx", target_programs=528, splits=None,
                       orient="mk")
 MOE_CONFIG = dict(num_warps=4, orient="swap", block_n=64)
+DENSE_CONFIG = dict(num_warps=4, orient="swap", block_n=64, target_programs=1056)
 
 
 def _plane_jnp(words: jax.Array, j: int) -> jax.Array:
@@ -154,6 +160,30 @@ def _splits(n_chunks: int, programs: int, target: int) -> int:
   return -(-n_chunks // -(-n_chunks // s))        # same chunks per split, fewest splits
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_call(*, grid, out_rows: int, n_pad: int, out_dtype, num_warps: int, num_stages: int, interpret: bool,
+                 **static):
+  """The jitted pallas_call for one static configuration. One function object per configuration, so a model
+  that calls the same shape in every layer traces the kernel once and lowers it once per program (jit's caches)
+  instead of once per call site: ~0.1 s each on the GPU, which was most of a small model's start-up."""
+  kernel = functools.partial(_kernel, **static)
+  if static["split"]:
+    out_shape = jax.ShapeDtypeStruct((grid[2], out_rows, n_pad), jnp.float32)
+  else:
+    out_shape = jax.ShapeDtypeStruct((out_rows, n_pad // 2 if static["gated"] else n_pad), out_dtype)
+
+  def call(*arrays):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      return pl.pallas_call(
+          kernel, grid=grid, out_shape=out_shape, interpret=interpret,
+          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+          name="w4a16_gated" if static["gated"] else "w4a16",
+      )(*arrays)
+
+  return jax.jit(call)
+
+
 def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
                    row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
                    busy_blocks: int, interpret: bool = False, config: dict | None = None) -> jax.Array:
@@ -171,21 +201,12 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   split = splits > 1
-  kernel = functools.partial(
-      _kernel, block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
-      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split, decode=cfg["decode"],
-      swap=cfg["orient"] == "swap")
-  if split:
-    out_shape = jax.ShapeDtypeStruct((splits, nb * block_m, w.n_pad), jnp.float32)
-  else:
-    out_shape = jax.ShapeDtypeStruct((nb * block_m, n_out), out_dtype)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    out = pl.pallas_call(
-        kernel, grid=(nb, tiles, splits), out_shape=out_shape, interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
-        name="w4a16_gated" if gated else "w4a16",
-    )(block_expert, row_token, row_weight, x, w.packed, w.scales, w.zeros)
+  call = _kernel_call(block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
+                      chunks_per_split=cps, gated=gated, up_offset=n_out, weighted=weighted, split=split,
+                      decode=cfg["decode"], swap=cfg["orient"] == "swap", grid=(nb, tiles, splits),
+                      out_rows=nb * block_m, n_pad=w.n_pad, out_dtype=jnp.dtype(out_dtype),
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=bool(interpret))
+  out = call(block_expert, row_token, row_weight, x, w.packed, w.scales, w.zeros)
   if not split:
     return out
   out = out.sum(axis=0)                        # garbage rows stay garbage; valid rows are complete sums
@@ -210,7 +231,7 @@ def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, conf
   row_token = jnp.where(rows < m, rows, -1)
   y = grouped_matmul(x, _as_stack(w), jnp.zeros((nb,), jnp.int32), row_token, jnp.ones_like(rows, jnp.float32),
                      block_m=block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype, busy_blocks=nb,
-                     interpret=interpret, config={"num_warps": 2 if block_m <= 16 else 4, **(config or {})})
+                     interpret=interpret, config={**DENSE_CONFIG, **(config or {})})
   return y[:m, :w.n]
 
 

@@ -102,6 +102,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   scale_log2 = float(softmax_scale) * LOG2E
   causal_rows = bool(causal) and sq > 1
   dt = jnp.bfloat16
+  on_gpu = interpret is False or interpret is None
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),           # Q latent, by half
@@ -238,13 +239,24 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.barrier_arrive(pbar)
             plgpu.barrier_wait(pbar)
 
-            p_all = plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False)    # A from registers
+            if on_gpu:
+              # P [64, 64] as the wgmma A operand from registers, accumulating onto the rescaled O in place
+              p_all = plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False)
 
-            def pv(acc_ref):
-              plgpu.wgmma(acc_ref, p_all, ring_lat.at[slot, w])
-              plgpu.wgmma_wait(0)
+              def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_all, ring_lat.at[slot, w])
+                plgpu.wgmma_wait(0)
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+              acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+              # GPU interpret mode runs neither a register A operand nor a preinitialized accumulator: the same
+              # product with P read from SMEM into a fresh accumulator (on the GPU that would be 256 registers)
+              def pv(acc_ref):
+                plgpu.wgmma(acc_ref, pbuf, ring_lat.at[slot, w])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+              acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, HALF), jnp.float32))
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, l_i
 

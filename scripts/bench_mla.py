@@ -1,6 +1,7 @@
 """Benchmark pallas_kernels.mla_decode on the local GPU: every available backend, copy ceiling in the same run.
 
   python scripts/bench_mla.py [--quick] [--backends triton,xla] [--sweep] [--out results.json] [--commit SHA]
+  python scripts/bench_mla.py --quick --backends mosaic_sm90 --mosaic-kernel both --no-check   # swapped vs rows
 
 Steps: (1) HBM copy bandwidth (bytes read + written) as the ceiling; (2) correctness of every kernel backend
 against the float64 NumPy reference on NaN-poisoned caches; (3) optional config sweep of the triton kernel;
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import MLAKVCache, available_backends, mla_decode
+from pallas_kernels.mla_decode import mosaic_sm90
 from pallas_kernels.mla_decode import triton as triton_backend
+from pallas_kernels.mla_decode.api import apply_output_contract
 from pallas_kernels.mla_decode.cache import cache_bytes_per_token, quantize_fp8
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 from pallas_kernels.testing import copy_ceiling_gbps, time_calls
@@ -152,6 +155,32 @@ SWEEP = [
 ]
 
 
+def _grid_entries(backends, mosaic_kernel: str, dtype: str):
+  """(backend, kernel) pairs timed for one grid point: mosaic_sm90 once per requested kernel (None = the op's)."""
+  for name in backends:
+    if name != "mosaic_sm90" or mosaic_kernel == "auto":
+      yield name, None if name != "mosaic_sm90" else "auto"
+      continue
+    for kernel in (("swapped", "rows") if mosaic_kernel == "both" else (mosaic_kernel,)):
+      if kernel == "rows" and dtype == "fp8_e4m3":
+        continue                                   # the rows kernel is bf16 only (mosaic_sm90_rows.py)
+      yield name, kernel
+
+
+def _label(name: str, kernel) -> str:
+  return name if kernel is None else f"{name}:{kernel}"
+
+
+def _grid_fn(name: str, kernel, *, causal: bool):
+  if kernel in (None, "auto"):
+    return jax.jit(lambda q, c, t, s: mla_decode(q, c, t, s, softmax_scale=0.1, causal=causal, backend=name))
+
+  def forced(q, c, t, s):                          # the op's steps for one device, with the kernel forced
+    out, lse = mosaic_sm90.mla_decode(q, c, t, s, softmax_scale=0.1, causal=causal, kernel=kernel)
+    return apply_output_contract(out, lse, c, t, s)
+  return jax.jit(forced)
+
+
 def git_commit() -> str:
   try:
     return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -179,6 +208,10 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="also time triton kernel configurations")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
   ap.add_argument("--batches", default=None, help="comma list overriding the grid's batch sizes (split long runs)")
+  ap.add_argument("--mosaic-kernel", default="auto", choices=["auto", "swapped", "rows", "both"],
+                  help="mosaic_sm90's kernel in the grid: auto (the op's choice, through the public op), or forced "
+                       "(backend module + the op's output contract; 'both' times swapped and rows side by side, "
+                       "rows only where it runs: bf16 cache)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--commit", default=None, help="git commit of the code (default: git rev-parse HEAD)")
   args = ap.parse_args(argv)
@@ -259,18 +292,21 @@ def main(argv=None):
   for b, h, L, sq, dtype, lengths in itertools.product(*grid.values()):
     sets, totals = zip(*[make_inputs(seed, b, h, sq, L, dtype, lengths) for seed in (1, 2)])
     total = sum(totals) / len(totals)
-    for name in backends:
-      fn = jax.jit(lambda q, c, t, s, _n=name: mla_decode(q, c, t, s, softmax_scale=0.1, causal=sq > 1,
-                                                          backend=_n))
+    for name, kernel in _grid_entries(backends, args.mosaic_kernel, dtype):
+      fn = _grid_fn(name, kernel, causal=sq > 1)
       try:
         sec = time_calls(fn, list(sets))
       except Exception as e:  # noqa: BLE001 - e.g. out of memory for the xla reference: report and go on
+        name = _label(name, kernel)
         print(f"{name} b{b} h{h} L{L} sq{sq} {dtype} {lengths}: FAILED {type(e).__name__}: {str(e)[:200]}",
               flush=True)
         result["records"].append(dict(backend=name, b=b, h=h, L=L, sq=sq, dtype=dtype, lengths=lengths,
                                       error=str(e)[:500]))
         continue
       nbytes = total * cache_bytes_per_token(dtype)
+      if name == "mosaic_sm90":
+        kernel = mosaic_sm90.choose_kernel(sq * h, dtype == "fp8_e4m3", kernel)
+      name = _label(name, kernel)
       rec = dict(backend=name, b=b, h=h, L=L, sq=sq, dtype=dtype, lengths=lengths, sum_len=total,
                  us=sec * 1e6, gbps=nbytes / sec / 1e9, tflops=FLOPS_PER_QK_TOKEN * sq * h * total / sec / 1e12,
                  pct_copy=100 * nbytes / sec / 1e9 / ceiling)
@@ -278,7 +314,7 @@ def main(argv=None):
         rec["config"] = triton_backend.default_config(b, sq * h, L // PAGE, PAGE, interpret=False,
                                                       cache_dtype=dtype)
       result["records"].append(rec)
-      print(f"{name:12s} b{b:<4d} h{h:<4d} L{L:<6d} sq{sq} {dtype:9s} {lengths:8s} {rec['us']:9.1f} us "
+      print(f"{name:20s} b{b:<4d} h{h:<4d} L{L:<6d} sq{sq} {dtype:9s} {lengths:8s} {rec['us']:9.1f} us "
             f"{rec['gbps']:7.0f} GB/s {rec['tflops']:6.1f} TFLOP/s {rec['pct_copy']:5.1f}%", flush=True)
     del sets
     save()
@@ -289,14 +325,14 @@ def main(argv=None):
     bad = [c for c in result["checks"] if not c["ok"]]
     print(f"correctness: {len(result['checks']) - len(bad)}/{len(result['checks'])} checks pass"
           + "".join(f"\n  FAIL {c}" for c in bad))
-  print(f"{'backend':12s} {'b':>4s} {'h':>4s} {'L':>6s} {'sq':>2s} {'cache':9s} {'lengths':8s} {'us':>9s} "
+  print(f"{'backend':20s} {'b':>4s} {'h':>4s} {'L':>6s} {'sq':>2s} {'cache':9s} {'lengths':8s} {'us':>9s} "
         f"{'GB/s':>7s} {'TFLOP/s':>7s} {'%copy':>6s}")
   for r in result["records"]:
     if "error" in r:
-      print(f"{r['backend']:12s} {r['b']:4d} {r['h']:4d} {r['L']:6d} {r['sq']:2d} {r['dtype']:9s} "
+      print(f"{r['backend']:20s} {r['b']:4d} {r['h']:4d} {r['L']:6d} {r['sq']:2d} {r['dtype']:9s} "
             f"{r['lengths']:8s} FAILED")
       continue
-    print(f"{r['backend']:12s} {r['b']:4d} {r['h']:4d} {r['L']:6d} {r['sq']:2d} {r['dtype']:9s} {r['lengths']:8s} "
+    print(f"{r['backend']:20s} {r['b']:4d} {r['h']:4d} {r['L']:6d} {r['sq']:2d} {r['dtype']:9s} {r['lengths']:8s} "
           f"{r['us']:9.1f} {r['gbps']:7.0f} {r['tflops']:7.1f} {r['pct_copy']:6.1f}")
   result["elapsed_s"] = time.perf_counter() - t_start
   save()

@@ -37,7 +37,8 @@ def correctness_cases(kind: str):
   rng = np.random.default_rng(1234)
   if kind == "tiny":
     return [("bf16 h16 ragged+0", "bfloat16", 16, 1, [70, 0, 5]),
-            ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 130, 64])]
+            ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 130, 64]),
+            ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [70, 0, 5])]
   ragged = lambda b, hi: [int(x) for x in rng.integers(0, hi + 1, b)]
   return [
       ("bf16 h16 ragged+0", "bfloat16", 16, 1, [0] + ragged(6, 700)),
@@ -54,21 +55,34 @@ def correctness_cases(kind: str):
       # several sequences per share with several head groups (the engine's h128 decode)
       ("fp8 h128 b48 many seqs/part", "fp8_e4m3", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 b40 many seqs/part causal", "bfloat16", 64, 2, ragged(40, 1200)),
+      # bf16 with Sq*H a multiple of 64: the rows kernel (mosaic_sm90_rows.py) under kernel="auto"
+      ("bf16 h64 ragged+0", "bfloat16", 64, 1, [0] + ragged(6, 900)),
+      ("bf16 h128 ragged+0", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000)),
+      ("bf16 h128 b48 many seqs/part", "bfloat16", 128, 1, ragged(48, 1500)),
+      ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700)),
   ]
 
 
-def run_correctness(kind: str, interpret: bool):
+def run_correctness(kind: str, interpret: bool, kernel: str = "auto"):
+  """kernel: mosaic_sm90's kernel choice ("auto" goes through the public op; a forced kernel calls the backend
+  module). Cases the rows kernel runs (bf16 P) are compared with the float64 reference and §3's bf16-P bound."""
   rows = []
   for name, dtype, heads, sq, lens in correctness_cases(kind):
     causal = name.endswith(" causal")
     q, cache, table, lens_a = random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
+    try:
+      which = mosaic_sm90.choose_kernel(sq * heads, dtype == "fp8_e4m3", kernel)
+    except ValueError as e:                       # e.g. kernel="rows" on an fp8 case
+      print(f"[check] {name}: not run with kernel={kernel}: {e}", flush=True)
+      continue
 
     def call(backend):
-      if interpret and backend == "mosaic_sm90":
+      if backend == "mosaic_sm90" and (interpret or kernel != "auto"):
         # GPU interpret mode's ordered callbacks cannot pass the public op's custom_partitioning: call the
         # backend module and the op's output contract directly (the same steps, unsharded).
         def f(q, c, t, l):
-          out, lse = mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=causal, interpret=True)
+          out, lse = mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=causal, interpret=interpret,
+                                            kernel=kernel)
           return api.apply_output_contract(out, lse, c, t, l)
         return jax.jit(f)(q, cache, table, lens_a)
       return jax.jit(lambda q, c, t, l: pallas_kernels.mla_decode(
@@ -77,11 +91,18 @@ def run_correctness(kind: str, interpret: bool):
     t0 = time.perf_counter()
     out, lse = jax.block_until_ready(call("mosaic_sm90"))
     t_first = time.perf_counter() - t0
-    ref_out, ref_lse = call("xla")
-    res = compare(out, lse, ref_out, ref_lse)
-    rows.append(dict(case=name, dtype=dtype, heads=heads, sq=sq, batch=len(lens), max_len=max(lens),
+    if which == "rows":                          # bf16 P: float64 reference with sum p|v|/l for the bound
+      lat, rope = cache.dequantize()
+      ref_out, ref_lse, ref_abs = reference.mla_decode_numpy(
+          np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope), np.asarray(table), np.asarray(lens_a),
+          softmax_scale=SCALE, causal=causal, page_size=64, return_abs=True)
+      res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+    else:
+      ref_out, ref_lse = call("xla")
+      res = compare(out, lse, ref_out, ref_lse)
+    rows.append(dict(case=name, kernel=which, dtype=dtype, heads=heads, sq=sq, batch=len(lens), max_len=max(lens),
                      first_call_s=round(t_first, 2), **res))
-    print(f"[check] {name}: ok={res['ok']} out_err={res['out_max_abs_err']:.2e} cos={res['cos_diff']:.1e} "
+    print(f"[check] {name} ({which}): ok={res['ok']} out_err={res['out_max_abs_err']:.2e} cos={res['cos_diff']:.1e} "
           f"lse_err={res['lse_max_abs_err']:.1e}", flush=True)
   return rows
 
@@ -99,8 +120,14 @@ def timing_variants():
       ("bfloat16 h16 bf16 P", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", dict(split_p=False)),
       ("fp8_e4m3 h16 sq2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
-      ("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
-      ("bfloat16 h128 bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(split_p=False)),
+      ("bfloat16 h128 swapped", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),
+      ("bfloat16 h128 swapped bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", split_p=False)),
+      ("bfloat16 h128 rows", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("bfloat16 h128 rows ragged[1,2L]", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
+      ("bfloat16 h64 rows", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("bfloat16 h64 swapped", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),
+      ("bfloat16 h128 sq2 rows", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
   ]
 
 
@@ -194,6 +221,8 @@ def main():
   ap.add_argument("--only", default=None, help="time only these variants (comma list of exact names)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
+  ap.add_argument("--kernel", default="auto", choices=list(mosaic_sm90.KERNELS),
+                  help="mosaic_sm90 kernel for the correctness cases (auto: rows for bf16 Sq*H %% 64 == 0)")
   ap.add_argument("--commit", default=None)
   args = ap.parse_args()
   dev = jax.devices()[0]
@@ -206,14 +235,14 @@ def main():
     with open(args.out, "w") as f:
       json.dump(dict(info=info, checks=checks, copy=copy, timings=timings), f, indent=1)
 
-  checks = run_correctness(args.cases, args.interpret) if args.cases != "none" else []
+  checks = run_correctness(args.cases, args.interpret, args.kernel) if args.cases != "none" else []
   dump(checks, None, [])
   copy, timings = (run_timing(args.iters, args.only, lambda c, r: dump(checks, c, r)) if args.timing
                    else (None, []))
   dump(checks, copy, timings)
-  print(f"\n{'case':34s} {'ok':>5s} {'out_err':>9s} {'cos_diff':>9s} {'lse_err':>9s} {'first_s':>7s}")
+  print(f"\n{'case (kernel)':44s} {'ok':>5s} {'out_err':>9s} {'cos_diff':>9s} {'lse_err':>9s} {'first_s':>7s}")
   for r in checks:
-    print(f"{r['case']:34s} {str(r['ok']):>5s} {r['out_max_abs_err']:9.2e} {r['cos_diff']:9.1e} "
+    print(f"{r['case'] + ' (' + r['kernel'] + ')':44s} {str(r['ok']):>5s} {r['out_max_abs_err']:9.2e} {r['cos_diff']:9.1e} "
           f"{r['lse_max_abs_err']:9.1e} {r['first_call_s']:7.1f}")
   if timings:
     print(f"\ncopy ceiling {copy['tb_per_s']:.3f} TB/s")

@@ -237,3 +237,110 @@ def test_engine_greedy_decode_matches_xla_in_interpret_mode():
   for ref, got in zip(runs["xla"], runs["mosaic_sm90"]):
     assert got.error is None and got.token_ids == ref.token_ids
     np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-2)
+
+
+# ---- the rows kernel (mosaic_sm90_rows.py: 64 query rows per CTA on wgmma M, bf16 cache) -----------------------
+def f64_reference_abs(q, cache, table, lens, causal):
+  lat, rope = cache.dequantize()
+  return mla_decode_numpy(np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope), np.asarray(table),
+                          np.asarray(lens), softmax_scale=SCALE, causal=causal, page_size=64, return_abs=True)
+
+
+@pytest.mark.parametrize("heads,sq,lens,causal,parts", [
+    (64, 1, [70, 0, 5], False, 3),                 # one row group, zero length, partial pages, splits
+    (128, 1, [130, 1, 64], False, 2),              # two row groups, a full last page, 3 pages in one share
+    (128, 2, [1, 130, 0, 64], True, 3),            # Sq 2 causal: 4 row groups (rows of both query tokens)
+    (64, 2, [3, 200, 127], True, 4),               # Sq 2 causal, one query token per row group
+])
+def test_rows_kernel_interpret(heads, sq, lens, causal, parts):
+  """kernel="rows" on NaN-poisoned caches against the float64 reference, with §3's bf16-P bound."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq, lens=lens, sq=sq, heads=heads, dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+  assert out.dtype == jnp.bfloat16 and out.shape == (len(lens), sq, heads, 512)
+  assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
+
+
+def test_rows_kernel_pads_rows_not_multiple_of_64():
+  """Forced kernel="rows" with 80 rows (h40 Sq2): the second row group is half zero-padded queries."""
+  lens = [129, 7]
+  q, cache, table, lens_a = random_problem(77, lens=lens, sq=2, heads=40, dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens_a, True, interpret=True, num_parts=2, kernel="rows")
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, True)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+
+
+def test_rows_kernel_interpret_no_races():
+  """Race detector on: a 1-slot ring (every page waits for the previous one's release), 2 shares, partial pages."""
+  q, cache, table, lens = random_problem(9, lens=[130, 2], sq=1, heads=64, dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=1, kernel="rows",
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  res = compare(out, lse, *f64_reference_abs(q, cache, table, lens, False)[:2],
+                ref_abs=f64_reference_abs(q, cache, table, lens, False)[2])
+  assert res["ok"], res
+
+
+def test_rows_kernel_schedule_matches_its_shares():
+  """make_schedule(kernel=...) gives the share count of the kernel that runs; a schedule made for the other
+  kernel is refused with a clear error instead of silently mis-splitting."""
+  q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=128, dtype="bfloat16")
+  rows_sched = ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel="rows")
+  swapped_sched = ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel="swapped")
+  assert rows_sched[1].shape != swapped_sched[1].shape                 # 2 row groups vs 4 head groups
+  out, lse = run_kernel(q, cache, table, lens, False, interpret=True, kernel="rows", schedule=rows_sched)
+  res = compare(out, lse, *f64_reference_abs(q, cache, table, lens, False)[:2],
+                ref_abs=f64_reference_abs(q, cache, table, lens, False)[2])
+  assert res["ok"], res
+  with pytest.raises(ValueError, match="schedule"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="rows",
+                  schedule=swapped_sched)
+
+
+def test_kernel_choice():
+  assert ms.choose_kernel(128, False) == "rows" and ms.choose_kernel(64, False) == "rows"
+  assert ms.choose_kernel(256, False) == "rows"                        # h128 Sq2
+  assert ms.choose_kernel(128, True) == "swapped"                      # fp8: the rows kernel is bf16 only
+  assert ms.choose_kernel(80, False) == "swapped" and ms.choose_kernel(32, False) == "swapped"
+  assert ms.choose_kernel(80, False, "rows") == "rows"
+  assert ms.choose_kernel(128, False, "swapped") == "swapped"
+  with pytest.raises(ValueError, match="bfloat16 cache only"):
+    ms.choose_kernel(128, True, "rows")
+  with pytest.raises(ValueError, match="kernel must be"):
+    ms.choose_kernel(128, False, "fast")
+  q = jnp.zeros((1, 1, 64, 576), jnp.bfloat16)
+  cache = MLAKVCache.allocate(2, dtype="bfloat16")
+  with pytest.raises(ValueError, match="swapped kernel only"):
+    ms.mla_decode(q, cache, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), softmax_scale=0.1,
+                  causal=False, split_p=True, kernel="rows")
+
+
+def test_rows_plan_fits_smem():
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  plan = mr.make_plan(128, num_sms=132)
+  assert (plan.groups, plan.num_parts, plan.num_stages) == (2, 66, 2)
+  assert plan.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(3)
+  with pytest.raises(ValueError, match="SMEM"):
+    mr.make_plan(128, num_sms=132, num_stages=3)
+
+
+def test_merge_kernel_rows_major_matches_transposed():
+  """merge_partials(rows_major=True) on partials [E*G, N, 512] == the default orientation on their transpose."""
+  rng = np.random.default_rng(64)
+  pages = np.array([3, 0, 1, 7, 2], np.int32)
+  parts, groups, n = 4, 2, 64
+  cu, _ = ms.schedule(jnp.asarray(pages), parts)
+  e_total = parts + len(pages)
+  o_rows = rng.standard_normal((e_total * groups, n, 512)).astype(np.float32)
+  lse2 = (rng.standard_normal((e_total * groups, n)) * 4).astype(np.float32)
+  lse2[:, 0] = -np.inf
+  payload = ms.share_pages(cu, parts).reshape(1)
+  kw = dict(batch=len(pages), groups=groups, out_dtype=jnp.float32, interpret=True)
+  out_r, lse_r = ms.merge_partials(jnp.asarray(o_rows), jnp.asarray(lse2), cu, payload, rows_major=True, **kw)
+  out_t, lse_t = ms.merge_partials(jnp.asarray(np.swapaxes(o_rows, 1, 2)), jnp.asarray(lse2), cu, payload, **kw)
+  np.testing.assert_array_equal(np.asarray(out_r), np.asarray(out_t))
+  np.testing.assert_array_equal(np.asarray(lse_r), np.asarray(lse_t))

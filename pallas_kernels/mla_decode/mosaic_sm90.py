@@ -39,6 +39,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
+from pallas_kernels.mla_decode import mosaic_sm90_rows
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
@@ -483,25 +484,86 @@ def _interpret_params(interpret):
   return plgpu.InterpretGPUParams() if interpret else False
 
 
-def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, interpret: bool = False
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+KERNELS = ("auto", "swapped", "rows")
+
+
+def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
+  """Which of the backend's two kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA)
+  or "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M). "auto" takes rows for a bf16 cache when
+  Sq * H is a multiple of 64 (h64 / h128 decode: no padded rows), else swapped. Forcing "rows" pads the rows
+  to a multiple of 64 with zero queries (the padding is computed and dropped)."""
+  if kernel not in KERNELS:
+    raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
+  if kernel == "rows" and fp8:
+    raise ValueError("mosaic_sm90: the rows kernel supports a bfloat16 cache only (an fp8 cache's two f16 half "
+                     "pages do not fit its SMEM next to a 2-page ring; NOTES.md); use kernel='swapped' or 'auto'")
+  if kernel == "auto":
+    return "rows" if (not fp8 and rows >= mosaic_sm90_rows.ROWS and rows % mosaic_sm90_rows.ROWS == 0) \
+        else "swapped"
+  return kernel
+
+
+def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, interpret: bool = False,
+                  kernel: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
   """The split-KV schedule (cu, sched, payload) of a call with `rows` = Sq * H query rows per sequence, a block
   table `max_pages` wide and these lengths: what mla_decode computes when it is not given one. It depends only on
-  seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata)."""
-  plan = make_plan(rows, fp8)
+  seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata).
+  kernel: as mla_decode's (the two kernels split the pages into different numbers of shares)."""
+  if choose_kernel(rows, fp8, kernel) == "rows":
+    num_parts = mosaic_sm90_rows.make_plan(rows, num_sms=_num_sms()).num_parts
+  else:
+    num_parts = make_plan(rows, fp8).num_parts
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  return schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
+  return schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
+
+
+def _check_schedule(schedule, batch: int, num_parts: int):
+  cu, sched, payload = schedule
+  parts_padded = 1 << (num_parts - 1).bit_length()
+  if sched.shape != (4, parts_padded) or cu.shape[0] < batch + 1:
+    raise ValueError(f"mosaic_sm90: the schedule (cu {cu.shape}, sched {sched.shape}) was made for another "
+                     f"shape than this call's (batch {batch}, {num_parts} shares); compute it with "
+                     "pallas_kernels.mla_decode_schedule for these arguments")
+  return cu, sched, payload
+
+
+def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
+                     interpret, num_parts, num_stages, schedule):
+  """mla_decode through the rows kernel (mosaic_sm90_rows.py): 64 query rows per CTA, bf16 cache."""
+  batch, sq, heads, _ = q.shape
+  plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages)
+  rows_padded = mosaic_sm90_rows.ROWS * plan.groups
+  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
+  if rows_padded != plan.rows:
+    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))     # zero queries, dropped below
+  qf = qf.reshape(batch * plan.groups, mosaic_sm90_rows.ROWS, LATENT_DIM + ROPE_DIM)   # row b*G + g
+  max_pages = block_table.shape[1]
+  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
+  if schedule is None:
+    cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
+  else:
+    cu, sched, payload = _check_schedule(schedule, batch, plan.num_parts)
+  call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
+                                     softmax_scale=softmax_scale, num_pages=cache.num_pages,
+                                     interpret=_interpret_params(interpret))
+  o_part, lse2_part = call(qf, cache.latent, cache.rope, block_table, lens, cu, sched)
+  out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
+                            interpret=bool(interpret), rows_major=True)   # [B, G*64, 512], [B, G*64]
+  out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
+  lse = jnp.swapaxes(lse[:, :plan.rows].reshape(batch, sq, heads), 1, 2)
+  return out, lse
 
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None,
-               split_p: bool | None = None, schedule=None) -> tuple[jax.Array, jax.Array]:
+               split_p: bool | None = None, schedule=None, kernel: str = "auto") -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
-  and shapes (None: computed here).
+  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" (choose_kernel; the rows kernel takes
+  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -513,6 +575,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
+  if choose_kernel(sq * heads, fp8, kernel) == "rows":
+    if rows_per_cta is not None or split_p is not None:
+      raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
+                       "holds 64 rows per CTA and rounds P to bf16 (pass kernel='swapped' to use them)")
+    return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
+                            interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule)
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p)
   rows_padded = plan.n * plan.groups
@@ -527,12 +595,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if schedule is None:
     cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
   else:
-    cu, sched, payload = schedule
-    parts_padded = 1 << (plan.num_parts - 1).bit_length()
-    if sched.shape != (4, parts_padded) or cu.shape[0] < batch + 1:
-      raise ValueError(f"mosaic_sm90: the schedule (cu {cu.shape}, sched {sched.shape}) was made for another "
-                       f"shape than this call's (batch {batch}, {plan.num_parts} shares); compute it with "
-                       "pallas_kernels.mla_decode_schedule for these arguments")
+    cu, sched, payload = _check_schedule(schedule, batch, plan.num_parts)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())

@@ -42,7 +42,8 @@ SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] co
 _LN2 = math.log(2.0)
 
 
-def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int):
+def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int,
+                  rows_major: bool = False):
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
   payload = payload_ref[0]
@@ -53,7 +54,10 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, gro
     m, den, acc = carry                                                # [n], [n], [COLS, n]
     e = (p + b) * groups + g
     l2 = lse2_ref[e, :]                                                # [n] log2 domain, -inf = no key
-    o = o_ref[e, pl.ds(d * COLS, COLS), :]                             # [COLS, n]
+    if rows_major:                                                     # partials [E*G, n, 512]
+      o = o_ref[e, :, pl.ds(d * COLS, COLS)].T
+    else:
+      o = o_ref[e, pl.ds(d * COLS, COLS), :]                           # [COLS, n]
     m_new = jnp.maximum(m, l2)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)                                       # 0 while nothing was seen
@@ -72,14 +76,18 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, gro
 
 
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
-                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """o_part f32 [E*G, 512, N], lse2_part f32 [E*G, N] (entry-major, head group minor), cu int32 [>= B+1] and
-  payload int32 [1] (schedule_kernel's) -> out [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf
-  where no key)."""
-  _, dims, n = o_part.shape
+                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+  """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
+  (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
+  [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key)."""
+  if rows_major:
+    _, n, dims = o_part.shape
+  else:
+    _, dims, n = o_part.shape
   if dims != LATENT_DIM or n & (n - 1) or n < 8:
-    raise ValueError(f"merge_partials needs partials [E*G, {LATENT_DIM}, N] with N a power of two >= 8, "
-                     f"got {o_part.shape}")
+    want = f"[E*G, N, {LATENT_DIM}]" if rows_major else f"[E*G, {LATENT_DIM}, N]"
+    raise ValueError(f"merge_partials needs partials {want} with N a power of two >= 8, got {o_part.shape}")
 
   def whole(x):
     return pl.BlockSpec(x.shape, lambda b, g, d, _n=x.ndim: (0,) * _n)
@@ -87,7 +95,7 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, groups=groups, n=n),
+        functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major),
         grid=(batch, groups, LATENT_DIM // COLS),
         in_specs=[whole(cu), whole(payload), whole(o_part), whole(lse2_part)],
         out_specs=[pl.BlockSpec((None, groups * n, LATENT_DIM), lambda b, g, d: (b, 0, 0)),

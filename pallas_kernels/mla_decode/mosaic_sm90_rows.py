@@ -1,0 +1,296 @@
+"""mosaic_sm90's kernel for many query rows (Sq * H >= 64): 64 query rows on the wgmma M side (FlashMLA's orientation).
+
+The swapped kernel (mosaic_sm90.py) puts a page's 64 tokens on wgmma M and at most 32 query rows on N, so at h128
+every page is read by 4 CTAs and each m64n32k16 wgmma streams more SMEM bytes than the tensor cores consume (NOTES.md).
+Here a CTA owns 64 query rows (r = s * H + h) of one sequence and one split-KV share of its pages:
+
+    S_w [64 rows, 32 tok]  = Q [64, 576] . K[tokens of half w]^T     (A = Q in SMEM, B = the page tile, transposed)
+    O_w [64 rows, 256]    += P [64, 64 tok] . V[64 tok, dims of half w]   (A = P in SMEM, B = the page tile)
+
+Warpgroup 2 streams 64-token pages by TMA through the block table into a 2-slot ring (the swapped kernel's
+producer). Compute warpgroup w in {0, 1} computes the scores of the page's tokens [32 w, 32 w + 32) over all 576
+dims and accumulates O for latent columns [256 w, 256 w + 256) in registers ([64, 256] f32 = 128 registers a
+thread). Per page the two warpgroups exchange only their per-row maxima (64 f32 each, through SMEM), run the same
+online softmax (log2 domain, masks by select) on their 32 tokens, publish P in bf16 (8 KiB for both halves) and
+each multiplies the whole P [64, 64] by its half of V.
+
+Why tokens and not dims are split for QK (the swapped kernel splits dims and swaps partial scores): a partial-score
+exchange needs [64, 64] f32 = 16 KiB of SMEM at least once, and SMEM has no room for it next to Q (72 KiB) and a
+2-page ring (144 KiB): 232 KiB > 227 KiB. The token split needs 8 KiB (P) plus 1 KiB, and its QK wgmmas are
+m64n32 with Q as the SMEM A operand (more SMEM traffic per FLOP than m64n64: NOTES.md counts it).
+
+P is rounded to bf16 (FlashMLA's choice; docs/architecture.md §3 admits it under the widened bound). Pages and
+slots past a sequence's length never enter a sum: table entries past its pages are never read, scores past the
+length or the causal limit are masked to -inf by select, and the latent rows of a partial last page past the length
+are zeroed by select before P.V (0 * NaN would be NaN). bf16 cache only: an fp8 cache needs two f16 half pages
+(64 KiB) on top of this and does not fit a 2-page ring (NOTES.md); mosaic_sm90 keeps fp8 on the swapped kernel.
+
+Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
+off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
+Mosaic's shared cross-warp reduction scratch (NOTES.md's trap) is never used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
+
+PAGE = 64                     # tokens per page
+ROWS = 64                     # query rows per CTA (wgmma M)
+HALF = LATENT_DIM // 2        # latent columns of O per compute warpgroup
+TOK = PAGE // 2               # tokens of a page whose scores one compute warpgroup computes
+CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
+SMEM_LIMIT = 227 * 1024
+LOG2E = 1.4426950408889634
+NUM_WARPGROUPS = 3
+_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_SWZ_P = (plgpu.TilingTransform((8, TOK)), plgpu.SwizzleTransform(64))    # [64, 32] bf16: 64-byte rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static launch configuration of the rows kernel for one call shape."""
+  rows: int            # Sq * H query rows per sequence
+  groups: int          # row groups G of 64: 64 * G >= rows (the last one zero-padded)
+  num_parts: int       # KV shares per row group (the split-KV width)
+  num_stages: int      # page ring depth
+
+  @property
+  def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
+    return ROWS
+
+  @property
+  def smem_bytes(self) -> int:
+    return smem_bytes(self.num_stages)
+
+
+def smem_bytes(stages: int) -> int:
+  """Dynamic SMEM of the rows kernel (bf16 cache): Q, the page ring, P, the row-max / row-sum exchange."""
+  q = ROWS * (LATENT_DIM + ROPE_DIM) * 2
+  ring = stages * PAGE * (LATENT_DIM + ROPE_DIM) * 2
+  p = ROWS * PAGE * 2
+  exchange = 2 * 2 * ROWS * 4
+  return q + ring + p + exchange + 1024          # + barriers and alignment
+
+
+def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None) -> Plan:
+  if rows < 1:
+    raise ValueError(f"rows must be >= 1, got {rows}")
+  groups = -(-rows // ROWS)
+  if num_parts is None:
+    num_parts = max(1, num_sms // groups)
+  stages = 2 if num_stages is None else int(num_stages)
+  if stages < 1 or smem_bytes(stages) > SMEM_LIMIT:
+    raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages need {smem_bytes(max(stages, 1))} bytes of "
+                     f"SMEM (limit {SMEM_LIMIT}); use num_stages 1 or 2")
+  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages)
+
+
+def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
+               interpret):
+  """The pallas kernel: (qf [B*G, 64, 576] bf16, latent, rope, block_table, lens, cu, sched) ->
+  (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch."""
+  g_count, parts, stages = plan.groups, plan.num_parts, plan.num_stages
+  entries = parts + batch
+  scale_log2 = float(softmax_scale) * LOG2E
+  causal_rows = bool(causal) and sq > 1
+  dt = jnp.bfloat16
+  on_gpu = interpret is False or interpret is None
+
+  scratch = dict(
+      q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),           # Q latent, by half
+      qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), dt, transforms=_SWZ16),
+      ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=_SWZ16),
+      ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), dt, transforms=_SWZ16),
+      pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                # P; columns [32 w, +32) by warpgroup w
+      mx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-page row maxima, by warpgroup
+      lx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-segment row sums, by warpgroup
+      loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),        # the 3 TMA copies of a page landed
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # ring slot free again
+      qbar=plgpu.Barrier(num_arrivals=3),                               # Q latent halves + rope landed
+      mbar=plgpu.Barrier(num_arrivals=2),                               # row maxima written (both QKs done)
+      pbar=plgpu.Barrier(num_arrivals=2),                               # P written (and tails zeroed)
+      lbar=plgpu.Barrier(num_arrivals=2))                               # row sums written (segment done)
+  names = list(scratch)
+
+  def body(q_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs):
+    r = dict(zip(names, scratch_refs))
+    q_smem, qr_smem, ring_lat, ring_rope, pbuf, mx, lx = (
+        r[k] for k in ("q_smem", "qr_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
+    loaded, consumed, qbar, mbar, pbar, lbar = (
+        r[k] for k in ("loaded", "consumed", "qbar", "mbar", "pbar", "lbar"))
+    wg = lax.axis_index("wg")
+    part = lax.axis_index("part")
+    grp = lax.axis_index("g")
+    begin = sched_ref[0, part]            # sched rows: begin, end, b_first, b_last (split_kv.schedule_kernel)
+    end = sched_ref[1, part]
+    b_first = sched_ref[2, part]
+    b_last = sched_ref[3, part]
+
+    def seq_pages(b):
+      cb = cu_ref[b]
+      cb1 = cu_ref[b + 1]
+      return jnp.maximum(begin, cb) - cb, jnp.minimum(end, cb1) - cb
+
+    # -------- warpgroup 2: the page producer (as in mosaic_sm90) --------
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+
+        def page(j, c):
+          slot = lax.rem(c, stages)
+
+          @pl.when(c >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
+          for w in range(2):
+            plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
+                                    loaded.at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          return c + 1
+
+        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      for i in range(stages):             # observe the release of the last pages: no phase left pending
+        @pl.when(done + i >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
+
+    # -------- warpgroups 0, 1: scores of tokens [32 w, 32 w + 32), softmax, P.V for columns [256 w, +256) ----
+    def compute(w: int):
+      plgpu.set_max_registers(232, action="increase")
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 0, layout=plgpu.Layout.WGMMA)
+      tok_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 1, layout=plgpu.Layout.WGMMA) + w * TOK
+      q_index = lax.div(grp * ROWS + row_iota, jnp.int32(heads))   # query token s of each row (r = s*H + h)
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+      def zero_tail(slot, n_valid):
+        # rows past the length of a partial last page -> 0 in this warpgroup's V half before P.V
+        @pl.when(n_valid < PAGE)
+        def _():
+          for c in range(HALF // CHUNK):
+            x = ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)]
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+            ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)] = jnp.where(rows < n_valid, x, jnp.zeros_like(x))
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+        length = lens_ref[b]
+
+        @pl.when(hi > lo)
+        def _segment():
+          if w == 0:
+            # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the
+            # previous segment, or nothing came before)
+            plgpu.commit_smem()
+            bg = b * g_count + grp
+            for h in range(2):
+              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
+            plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar)
+          plgpu.barrier_wait(qbar)
+          limit = (length - sq + 1 + q_index) if causal_rows else length
+
+          def page(j, carry):
+            acc, m_i, l_i = carry
+            c = ctr + (j - lo)
+            slot = lax.rem(c, stages)
+            n_valid = length - j * PAGE
+            plgpu.barrier_wait(loaded.at[slot])
+
+            def qk(acc_ref):
+              for cc in range(LATENT_DIM // CHUNK):
+                k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
+                plgpu.wgmma(acc_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
+              plgpu.wgmma(acc_ref, qr_smem, ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
+              plgpu.wgmma_wait(0)
+              return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, TOK), jnp.float32))
+            s = s * scale_log2
+            s = jnp.where(j * PAGE + tok_iota < limit, s, -jnp.inf)
+            m_mine = s.max(axis=1)
+            # exchange row maxima: after this barrier both QKs are done with every tile of the slot
+            mx[w] = m_mine
+            plgpu.barrier_arrive(mbar)
+            plgpu.barrier_wait(mbar)
+            m_other = plgpu.load(mx.at[1 - w], layout=row_layout, optimized=False)
+            m_new = jnp.maximum(m_i, jnp.maximum(m_mine, m_other))     # max is exact: same bits in both
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)                          # this warpgroup's 32 tokens
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            zero_tail(slot, n_valid)
+            pbuf[:, pl.ds(w * TOK, TOK)] = p.astype(dt)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(pbar)
+            plgpu.barrier_wait(pbar)
+
+            if on_gpu:
+              # P [64, 64] as the wgmma A operand from registers, accumulating onto the rescaled O in place
+              p_all = plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False)
+
+              def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_all, ring_lat.at[slot, w])
+                plgpu.wgmma_wait(0)
+
+              acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+              # GPU interpret mode runs neither a register A operand nor a preinitialized accumulator: the same
+              # product with P read from SMEM into a fresh accumulator (on the GPU that would be 256 registers)
+              def pv(acc_ref):
+                plgpu.wgmma(acc_ref, pbuf, ring_lat.at[slot, w])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+              acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, HALF), jnp.float32))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l_i
+
+          acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+          m0 = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
+          l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+          acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          # row sums of both token halves (same scale history in both warpgroups: one max per page)
+          lx[w] = l_i
+          plgpu.barrier_arrive(lbar)
+          plgpu.barrier_wait(lbar)
+          l_other = plgpu.load(lx.at[1 - w], layout=row_layout, optimized=False)
+          l_sum = l_i + l_other
+          seen = l_sum > 0
+          inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
+          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
+          o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+          if w == 0:
+            lse_ref[eg] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
+        return ctr + jnp.maximum(hi - lo, 0)
+
+      lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+
+    for w in range(2):
+      pl.when(wg == w)(functools.partial(compute, w))
+
+  out_type = (jax.ShapeDtypeStruct((entries * g_count, ROWS, LATENT_DIM), jnp.float32),
+              jax.ShapeDtypeStruct((entries * g_count, ROWS), jnp.float32))
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
+      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      # every SMEM hand-off is ordered by an mbarrier or commit_smem (as in mosaic_sm90); no cross-warp
+      # reduction, so the reduction scratch is the minimum
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      interpret=interpret)

@@ -92,6 +92,7 @@ def main(argv=None) -> None:
 
     from mla_jax.config import ModelConfig
 
+    _count_compiles()
     cfg = ModelConfig.from_hf_dict(model_hf_config(args))
     if jax.device_count() < max(args.num_devices):
         raise SystemExit(f"needs {max(args.num_devices)} devices, found {jax.device_count()} "
@@ -281,6 +282,19 @@ def init_one_device(cfg, seed: int):
                                                                     rngs=nnx.Rngs(seed))))())
 
 
+_COMPILES = {"n": 0, "names": []}      # jit compilations (or cache reads) so far in this process
+
+
+def _count_compiles() -> None:
+    from jax import monitoring
+
+    def listener(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            _COMPILES["n"] += 1
+            _COMPILES["names"].append(f"{kw.get('fun_name', '?')} ({secs:.2f} s)")
+    monitoring.register_event_duration_secs_listener(listener)
+
+
 def run_one(cfg, args, model, plan, n: int, mode: str, dispatch, batch_arg: int) -> dict:
     """One timed generate on one configuration; the row of the table."""
     import gc
@@ -302,13 +316,19 @@ def run_one(cfg, args, model, plan, n: int, mode: str, dispatch, batch_arg: int)
         data_parallel_attention=mode == "dp", sharding_plan=plan if n > 1 else None)
     steps = llm.record_decode_times()    # (batch rows, seconds) per decode step
     prompts = rng.integers(2, cfg.vocab_size, size=(batch, args.prompt_len)).tolist()
+    # The warm-up is the timed run itself, once: every shape the timed run meets (chunked prefill next to
+    # decoding sequences, multi-step decode, table widths) compiles here. A 3-token warm-up left a ~13 s compile
+    # of a full-width decode shape inside the timed run (bench/results/full_v3_l8_h200x2_d4a44ac.json).
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=min(3, args.gen_len), ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True))
     warm_s = time.perf_counter() - t0
     steps.clear()
+    compiles_before = _COMPILES["n"]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.gen_len, ignore_eos=True))
     total_s = time.perf_counter() - t0
+    compiles = _COMPILES["n"] - compiles_before
+    compiled = _COMPILES["names"][compiles_before:]
     n_out = sum(len(o.token_ids) for o in outs)
     ttft = max(o.metrics["time_to_first_token_s"] for o in outs)
     full = [s for b, s in steps if b == max(b for b, _ in steps)]
@@ -323,6 +343,7 @@ def run_one(cfg, args, model, plan, n: int, mode: str, dispatch, batch_arg: int)
                total_s=total_s, output_tok_per_s=n_out / total_s,
                total_tok_per_s=(n_out + batch * args.prompt_len) / total_s,
                time_to_last_first_token_s=ttft, warmup_s=warm_s, decode_steps=len(steps),
+               compilations_in_timed_run=compiles, compiled_in_timed_run=compiled,
                decode_step_ms_median=step_ms,
                decode_step_ms_p90=float(np.percentile(full, 90)) * 1e3 if full else None,
                decode_roofline_ms=roof["seconds"] * 1e3,
@@ -331,7 +352,8 @@ def run_one(cfg, args, model, plan, n: int, mode: str, dispatch, batch_arg: int)
     print(f"[{n} dev {mode} {dispatch}] batch {batch:4d}: {row['output_tok_per_s']:9.1f} output tok/s  "
           f"({row['total_tok_per_s']:9.1f} total)  decode step {step_ms or float('nan'):8.2f} ms "
           f"(roofline {row['decode_roofline_ms']:.2f} ms)  peak mem/GPU "
-          f"{max(m.get('peak_bytes_in_use', 0) for m in row['device_memory']) / 2**30:.1f} GiB", flush=True)
+          f"{max(m.get('peak_bytes_in_use', 0) for m in row['device_memory']) / 2**30:.1f} GiB; "
+          f"{compiles} compilations in the timed run {compiled if compiled else ''}", flush=True)
     del llm, outs
     gc.collect()
     return row

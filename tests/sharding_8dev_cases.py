@@ -469,6 +469,26 @@ def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outp
         assert shard_shapes(q_b) == {(32, 8 * 80 // tp)}
 
 
+@pytest.mark.parametrize("dp", [False, True])
+def test_llm_sharded_fp8_cache_second_generate_compiles_nothing(dp):
+    """A sharded fp8 cache starts in the engine's stored form (uint8 bits), as every step leaves it: allocated as
+    float8 it made the first call of every shape compile twice, the second time inside a later generate."""
+    one = make_llm(kv_cache_dtype="fp8_e4m3", num_pages=32)
+    ref = one.generate(PROMPTS, greedy())
+    llm = make_llm(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2 if not dp else 8, data_parallel_attention=dp,
+                   num_pages=32)
+    assert llm.caches[0].latent.dtype == np.uint8
+    first = llm.generate(PROMPTS, greedy())
+    compiles = llm.num_compiles()
+    second = llm.generate(PROMPTS, greedy())
+    assert llm.num_compiles() == compiles
+    for got in (first, second):
+        for g, w in zip(got, ref):
+            assert g.token_ids == w.token_ids
+            # a latent computed in another summation order can round to a neighbouring fp8 value: 1e-3, not 2e-5
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-3)
+
+
 def test_llm_dp_attention_chunked_prefill_reads_prefixes_across_devices(one_device_outputs):
     """Prompts longer than the prefill chunk: later chunks read their cached prefix from the owning device."""
     _, ref_long = one_device_outputs

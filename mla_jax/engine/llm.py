@@ -197,12 +197,14 @@ class LLM:
         # AWQ layers: the w4a16 kernels, on each device's shards when the weights are split (shard_map islands)
         configure_w4a16(model, plan=sharding_plan)
         self.graphdef, self.weights = split_model(model)
+        # fp8 latents rest as uint8 bits so the steps update them in place (engine/cache_storage.py); sharded
+        # caches too: every step returns them stored, and a first call on float8 caches would compile each
+        # shape twice (found as a prefill recompiling inside run_full_v3's timed run on 2 GPUs)
         if sharding_plan is None:
-            # fp8 latents rest as uint8 bits so the steps update them in place (engine/cache_storage.py)
             self.caches = as_stored(allocate_caches(cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
         else:   # each device allocates only its part of the caches; weights (and W_UK/W_UV) by the rules
-            self.caches = sharding.allocate_sharded(sharding_plan, lambda: allocate_caches(
-                cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype))
+            self.caches = as_stored(sharding.allocate_sharded(sharding_plan, lambda: allocate_caches(
+                cfg, num_pages, page_size=page_size, dtype=self.kv_cache_dtype)))
             self.weights = sharding_plan.place_engine_weights(self.weights)
 
         self._batch_buckets = _pow2_buckets(max_num_seqs)

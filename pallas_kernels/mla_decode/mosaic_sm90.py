@@ -553,7 +553,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
   and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" (choose_kernel; the rows kernel takes
-  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16).
+  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

@@ -22,8 +22,16 @@ m64n32 with Q as the SMEM A operand (more SMEM traffic per FLOP than m64n64: NOT
 P is rounded to bf16 (FlashMLA's choice; docs/architecture.md §3 admits it under the widened bound). Pages and
 slots past a sequence's length never enter a sum: table entries past its pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the latent rows of a partial last page past the length
-are zeroed by select before P.V (0 * NaN would be NaN). bf16 cache only: an fp8 cache needs two f16 half pages
-(64 KiB) on top of this and does not fit a 2-page ring (NOTES.md); mosaic_sm90 keeps fp8 on the swapped kernel.
+are zeroed by select before P.V (0 * NaN would be NaN).
+
+fp8 cache (plan.fp8): the ring holds fp8 pages (latent e4m3, rope bf16, scales f32) and has ONE slot: the
+dequantized f16 page (64 KiB) and its rope copy (8 KiB) leave no room for a second (NOTES.md counts it). Each compute
+warpgroup dequantizes its own 32 tokens (all 512 columns, e4m3 -> f16 x power-of-two tile scale: exact; tail tokens
+of a partial page -> 0) into that page and copies their rope, releases the fp8 slot at once (the producer refills it
+during this page's compute), and reads the f16 page for QK (its tokens) and P.V (its columns, after pbar). Q's
+latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barrier keeps the next dequant off the
+f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs fp8 on the swapped kernel until this is
+measured; kernel="rows" forces it.
 
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so

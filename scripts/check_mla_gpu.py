@@ -143,6 +143,9 @@ def timing_variants():
       ("bfloat16 h128 swapped bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", split_p=False)),
       ("bfloat16 h128 rows", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      # probe for the fp8 rows path's 1-slot ring: the bf16 rows kernel with 1 page slot instead of 2
+      ("bfloat16 h128 rows 1 stage", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_stages=1)),
       ("bfloat16 h128 rows ragged[1,2L]", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h64 rows", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h64 swapped", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),

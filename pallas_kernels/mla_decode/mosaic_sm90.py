@@ -40,8 +40,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows
-from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
+from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
 from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)

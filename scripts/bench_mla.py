@@ -155,15 +155,13 @@ SWEEP = [
 ]
 
 
-def _grid_entries(backends, mosaic_kernel: str, dtype: str):
+def _grid_entries(backends, mosaic_kernel: str):
   """(backend, kernel) pairs timed for one grid point: mosaic_sm90 once per requested kernel (None = the op's)."""
   for name in backends:
     if name != "mosaic_sm90" or mosaic_kernel == "auto":
       yield name, None if name != "mosaic_sm90" else "auto"
       continue
     for kernel in (("swapped", "rows") if mosaic_kernel == "both" else (mosaic_kernel,)):
-      if kernel == "rows" and dtype == "fp8_e4m3":
-        continue                                   # the rows kernel is bf16 only (mosaic_sm90_rows.py)
       yield name, kernel
 
 
@@ -211,7 +209,7 @@ def main(argv=None):
   ap.add_argument("--mosaic-kernel", default="auto", choices=["auto", "swapped", "rows", "both"],
                   help="mosaic_sm90's kernel in the grid: auto (the op's choice, through the public op), or forced "
                        "(backend module + the op's output contract; 'both' times swapped and rows side by side, "
-                       "rows only where it runs: bf16 cache)")
+                       "bf16 and fp8 caches)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--commit", default=None, help="git commit of the code (default: git rev-parse HEAD)")
   args = ap.parse_args(argv)
@@ -292,7 +290,7 @@ def main(argv=None):
   for b, h, L, sq, dtype, lengths in itertools.product(*grid.values()):
     sets, totals = zip(*[make_inputs(seed, b, h, sq, L, dtype, lengths) for seed in (1, 2)])
     total = sum(totals) / len(totals)
-    for name, kernel in _grid_entries(backends, args.mosaic_kernel, dtype):
+    for name, kernel in _grid_entries(backends, args.mosaic_kernel):
       fn = _grid_fn(name, kernel, causal=sq > 1)
       try:
         sec = time_calls(fn, list(sets))

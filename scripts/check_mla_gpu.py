@@ -3,12 +3,14 @@
 Correctness: random shapes (ragged lengths, zero-length sequences, Sq=2 causal, H in {1,16,20,64,128}, bf16 and
 fp8 caches; every unused slot NaN) through pallas_kernels.mla_decode(backend="mosaic_sm90") vs backend="xla",
 with the tolerances of docs/architecture.md §3 (pallas_kernels.testing.compare). Timing (--timing): b128 L4096
-shapes with CUPTI per-kernel times, including the ragged [1, 2L] case and the bf16-P variant (split_p=False);
+shapes with CUPTI per-kernel times, including the ragged [1, 2L] case, the bf16-P variant (split_p=False) and
+the fp8 cache through the rows kernel (kernel="rows"; auto keeps fp8 on the swapped kernel until it is measured);
 the grid over every backend is scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version,
 commit).
 
   python scripts/check_mla_gpu.py --out bench/results/mla_mosaic_check.json [--timing] [--commit SHA]
   python scripts/check_mla_gpu.py --interpret --cases tiny      # CPU self-test of this script (slow, tiny)
+  python scripts/check_mla_gpu.py --cases none --timing --only "fp8_e4m3 h128,fp8_e4m3 h128 rows"   # a subset
 """
 from __future__ import annotations
 
@@ -33,12 +35,14 @@ SCALE = 192 ** -0.5
 
 
 def correctness_cases(kind: str):
-  """(name, dtype, heads, sq, lens) cases; lens drawn from a fixed seed so runs are comparable."""
+  """(name, dtype, heads, sq, lens[, kernel]) cases; lens drawn from a fixed seed so runs are comparable (new
+  cases go last: the draws of earlier ones stay the same). A sixth entry forces mosaic_sm90's kernel."""
   rng = np.random.default_rng(1234)
   if kind == "tiny":
     return [("bf16 h16 ragged+0", "bfloat16", 16, 1, [70, 0, 5]),
             ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 130, 64]),
-            ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [70, 0, 5])]
+            ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [70, 0, 5]),
+            ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [70, 0, 5], "rows")]
   ragged = lambda b, hi: [int(x) for x in rng.integers(0, hi + 1, b)]
   return [
       ("bf16 h16 ragged+0", "bfloat16", 16, 1, [0] + ragged(6, 700)),
@@ -60,19 +64,28 @@ def correctness_cases(kind: str):
       ("bf16 h128 ragged+0", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000)),
       ("bf16 h128 b48 many seqs/part", "bfloat16", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700)),
+      # fp8 through the rows kernel, forced (kernel="auto" keeps fp8 on the swapped kernel until this is measured)
+      ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [0] + ragged(6, 900), "rows"),
+      ("fp8 h128 ragged+0 rows", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows"),
+      ("fp8 h128 b48 many seqs/part rows", "fp8_e4m3", 128, 1, ragged(48, 1500), "rows"),
+      ("fp8 h128 b2 L8192 rows", "fp8_e4m3", 128, 1, [8192, 8000], "rows"),
+      ("fp8 h64 sq2 rows causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
+      ("fp8 h128 sq2 rows causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "rows"),
   ]
 
 
-def run_correctness(kind: str, interpret: bool, kernel: str = "auto"):
+def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto"):
   """kernel: mosaic_sm90's kernel choice ("auto" goes through the public op; a forced kernel calls the backend
-  module). Cases the rows kernel runs (bf16 P) are compared with the float64 reference and §3's bf16-P bound."""
+  module; a case's own kernel entry overrides it). Cases the rows kernel runs are compared with the float64
+  reference: a bf16 cache (bf16 P) under §3's bf16-P bound, an fp8 cache (f16 P and V) under the plain bound."""
   rows = []
-  for name, dtype, heads, sq, lens in correctness_cases(kind):
+  for name, dtype, heads, sq, lens, *case_kernel in correctness_cases(kind):
+    kernel = case_kernel[0] if case_kernel else default_kernel
     causal = name.endswith(" causal")
     q, cache, table, lens_a = random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
     try:
       which = mosaic_sm90.choose_kernel(sq * heads, dtype == "fp8_e4m3", kernel)
-    except ValueError as e:                       # e.g. kernel="rows" on an fp8 case
+    except ValueError as e:                       # a kernel this case cannot run
       print(f"[check] {name}: not run with kernel={kernel}: {e}", flush=True)
       continue
 
@@ -91,12 +104,12 @@ def run_correctness(kind: str, interpret: bool, kernel: str = "auto"):
     t0 = time.perf_counter()
     out, lse = jax.block_until_ready(call("mosaic_sm90"))
     t_first = time.perf_counter() - t0
-    if which == "rows":                          # bf16 P: float64 reference with sum p|v|/l for the bound
+    if which == "rows":                          # float64 reference; bf16 P: sum p|v|/l for the widened bound
       lat, rope = cache.dequantize()
       ref_out, ref_lse, ref_abs = reference.mla_decode_numpy(
           np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope), np.asarray(table), np.asarray(lens_a),
           softmax_scale=SCALE, causal=causal, page_size=64, return_abs=True)
-      res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+      res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
     else:
       ref_out, ref_lse = call("xla")
       res = compare(out, lse, ref_out, ref_lse)
@@ -120,10 +133,19 @@ def timing_variants():
       ("bfloat16 h16 bf16 P", "bfloat16", 16, 1, 128, 4096, False, "mosaic_sm90", dict(split_p=False)),
       ("fp8_e4m3 h16 sq2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h128 rows", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h128 rows ragged[1,2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h128 sq2", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h128 sq2 rows", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h64", "fp8_e4m3", 64, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h64 rows", "fp8_e4m3", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h128 swapped", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),
       ("bfloat16 h128 swapped bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", split_p=False)),
       ("bfloat16 h128 rows", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      # probe for the fp8 rows path's 1-slot ring: the bf16 rows kernel with 1 page slot instead of 2
+      ("bfloat16 h128 rows 1 stage", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_stages=1)),
       ("bfloat16 h128 rows ragged[1,2L]", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h64 rows", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h64 swapped", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),

@@ -304,12 +304,11 @@ def test_rows_kernel_schedule_matches_its_shares():
 def test_kernel_choice():
   assert ms.choose_kernel(128, False) == "rows" and ms.choose_kernel(64, False) == "rows"
   assert ms.choose_kernel(256, False) == "rows"                        # h128 Sq2
-  assert ms.choose_kernel(128, True) == "swapped"                      # fp8: the rows kernel is bf16 only
+  assert ms.choose_kernel(128, True) == "swapped"                      # fp8 rows: only when forced (unmeasured)
+  assert ms.choose_kernel(128, True, "rows") == "rows"
   assert ms.choose_kernel(80, False) == "swapped" and ms.choose_kernel(32, False) == "swapped"
   assert ms.choose_kernel(80, False, "rows") == "rows"
   assert ms.choose_kernel(128, False, "swapped") == "swapped"
-  with pytest.raises(ValueError, match="bfloat16 cache only"):
-    ms.choose_kernel(128, True, "rows")
   with pytest.raises(ValueError, match="kernel must be"):
     ms.choose_kernel(128, False, "fast")
   q = jnp.zeros((1, 1, 64, 576), jnp.bfloat16)
@@ -326,6 +325,11 @@ def test_rows_plan_fits_smem():
   assert plan.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(3)
   with pytest.raises(ValueError, match="SMEM"):
     mr.make_plan(128, num_sms=132, num_stages=3)
+  fp8 = mr.make_plan(128, num_sms=132, fp8=True)          # 1 fp8 slot + the f16 page: 2 slots do not fit
+  assert (fp8.groups, fp8.num_parts, fp8.num_stages, fp8.fp8) == (2, 66, 1, True)
+  assert fp8.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(2, fp8=True)
+  with pytest.raises(ValueError, match=r"num_stages in \[1\]"):
+    mr.make_plan(128, num_sms=132, num_stages=2, fp8=True)
 
 
 def test_merge_kernel_rows_major_matches_transposed():
@@ -344,3 +348,84 @@ def test_merge_kernel_rows_major_matches_transposed():
   out_t, lse_t = ms.merge_partials(jnp.asarray(np.swapaxes(o_rows, 1, 2)), jnp.asarray(lse2), cu, payload, **kw)
   np.testing.assert_array_equal(np.asarray(out_r), np.asarray(out_t))
   np.testing.assert_array_equal(np.asarray(lse_r), np.asarray(lse_t))
+
+
+# ---- the rows kernel with an fp8 cache (1-slot fp8 ring, each warpgroup dequantizes its token half) ---------------
+@pytest.mark.parametrize("heads,sq,lens,causal,parts", [
+    (64, 1, [70, 0, 5], False, 3),       # zero length; last pages with 6 and 5 tokens (warpgroup 1's half empty)
+    (128, 1, [130, 1, 64], False, 2),    # two row groups, a full last page, the 1-slot ring wraps within a share
+    (128, 2, [1, 130, 0, 64], True, 3),  # Sq 2 causal, 4 row groups
+    (64, 2, [3, 200, 100], True, 4),     # Sq 2 causal; last pages of 8 and 36 tokens (warpgroup 1's half partial)
+])
+def test_rows_kernel_fp8_interpret(heads, sq, lens, causal, parts):
+  """kernel="rows" with an fp8 cache on NaN-poisoned pages (unused slots, pages and scales) against the float64
+  reference on the dequantized cache. P and V are f16 here, so §3's plain bound applies (no bf16-P widening)."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 1000, lens=lens, sq=sq, heads=heads,
+                                           dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+  assert res["cos_diff"] < 1e-5
+  assert out.dtype == jnp.bfloat16 and out.shape == (len(lens), sq, heads, 512)
+  assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
+
+
+def test_rows_kernel_fp8_interpret_no_races():
+  """Race detector on the fp8 rows path: the 1-slot ring refilled while the f16 page is in use, 2 shares (one
+  with 3 pages, so kbuf is reused across pages and segments), a partial last page."""
+  q, cache, table, lens = random_problem(11, lens=[130, 2], sq=1, heads=64, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="rows",
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
+  assert res["ok"], res
+
+
+def test_rows_kernel_fp8_schedule_matches_its_shares():
+  """make_schedule(kernel="rows", fp8=True) gives the rows kernel's shares (2 row groups at h128), and the fp8 call
+  accepts it; the swapped kernel's schedule for the same call is refused."""
+  q, cache, table, lens = random_problem(5, lens=[70, 5], sq=1, heads=128, dtype="fp8_e4m3")
+  rows_sched = ms.make_schedule(lens, table.shape[1], rows=128, fp8=True, interpret=True, kernel="rows")
+  swapped_sched = ms.make_schedule(lens, table.shape[1], rows=128, fp8=True, interpret=True, kernel="swapped")
+  assert rows_sched[1].shape != swapped_sched[1].shape
+  out, lse = run_kernel(q, cache, table, lens, False, interpret=True, kernel="rows", schedule=rows_sched)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
+  assert res["ok"], res
+  with pytest.raises(ValueError, match="schedule"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="rows",
+                  schedule=swapped_sched)
+
+
+def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_pages=8):
+  """Lowers the rows kernel for CUDA on this (CPU) machine: Mosaic GPU's own checks run here (layout inference,
+  wgmma operand shapes and dtypes, swizzles, the SMEM limit of an sm90 block)."""
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  s = jax.ShapeDtypeStruct
+  call = mr.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=SCALE,
+                       num_pages=num_pages, interpret=False)
+  qrows = batch * plan.groups
+  if plan.fp8:
+    cache_args = (s((qrows, 64, 512), jnp.float16), s((qrows, 64, 576), jnp.bfloat16),
+                  s((num_pages, 64, 512), jnp.float8_e4m3fn), s((num_pages, 64, 64), jnp.bfloat16),
+                  s((num_pages, 64, 4), jnp.float32))
+  else:
+    cache_args = (s((qrows, 64, 576), jnp.bfloat16), s((num_pages, 64, 512), jnp.bfloat16),
+                  s((num_pages, 64, 64), jnp.bfloat16))
+  args = cache_args + (s((batch, max_pages), jnp.int32), s((batch,), jnp.int32), s((batch + 1,), jnp.int32),
+                       s((4, plan.num_parts), jnp.int32))
+  return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fp8,heads,sq,causal", [(False, 128, 1, False), (True, 128, 1, False), (True, 64, 2, True)])
+def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal):
+  """The GPU code path (P as a register A operand, in-place accumulator, the dequant layouts) lowers for sm90,
+  and Mosaic's SMEM count agrees with smem_bytes: one fp8 slot fits, two exceed the 227 KiB of a block."""
+  import dataclasses
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  plan = mr.make_plan(sq * heads, num_sms=8, fp8=fp8)
+  assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=heads, sq=sq, causal=causal)
+  deeper = dataclasses.replace(plan, num_stages=plan.num_stages + 1)
+  assert mr.smem_bytes(deeper.num_stages, fp8) > mr.SMEM_LIMIT
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    _lower_rows_for_sm90(deeper, heads=heads, sq=sq, causal=causal)

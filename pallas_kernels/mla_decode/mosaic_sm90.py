@@ -41,6 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
+from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
 from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -51,21 +52,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-
-
-def _dequant_layout():
-  """Register layout of a [64 tok, 128] tile in the dequant pass: 8 consecutive elements per thread (one 8-byte
-  fp8 load, one 16-byte f16 store, both whole swizzle chunks) -- Mosaic's SMEM copy layout for 16-bit 64-wide
-  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions."""
-  return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
-                            lane_dims=(-3, -2), vector_dim=-1)
-
-
-def _scale_layout():
-  """Register layout for one page's fp8 scales [64 tok, 4]: each thread holds the 4 scales of every row it owns
-  in _dequant_layout, so `.sum(axis=1)` of a one-hot select is a per-row vector in _dequant_layout().reduce(1)."""
-  return plgpu.Layout.TILED(plgpu.Tiling(((32, 4), (8, 4), (4, 4))), warp_dims=(-6,),
-                            lane_dims=(-2, plgpu.Replicated(8)), vector_dim=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,16 +262,16 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       """Warpgroup w's half of the page: fp8 [64, 128] tiles t = 2w, 2w+1 of the ring slot -> f16 * scale[:, t]
       into kbuf[w] (exact: power-of-two scales); on a partial last page the rows past the length -> 0 by select
       (they may hold NaN), full pages skip the select."""
-      sc_all = plgpu.load(ring_sc.at[slot], layout=_scale_layout(), optimized=False)
-      col4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 1, layout=_scale_layout())
+      sc_all = plgpu.load(ring_sc.at[slot], layout=scale_layout(), optimized=False)
+      col4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 1, layout=scale_layout())
 
       def convert(masked: bool):
         if masked:
-          row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=_scale_layout())
+          row4 = plgpu.broadcasted_iota(jnp.int32, (PAGE, 4), 0, layout=scale_layout())
           ok = (row4 < n_valid).astype(jnp.float32)
         for t in (2 * w, 2 * w + 1):
           s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
-          x = plgpu.load(ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * 128, 128)], layout=_dequant_layout(),
+          x = plgpu.load(ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * 128, 128)], layout=dequant_layout(),
                          optimized=True).astype(jnp.float16)
           x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
           if masked:
@@ -491,12 +477,10 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   """Which of the backend's two kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA)
   or "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M). "auto" takes rows for a bf16 cache when
   Sq * H is a multiple of 64 (h64 / h128 decode: no padded rows), else swapped. Forcing "rows" pads the rows
-  to a multiple of 64 with zero queries (the padding is computed and dropped)."""
+  to a multiple of 64 with zero queries (the padding is computed and dropped). An fp8 cache runs on rows only when
+  forced: its rows path (1-slot fp8 ring + one f16 page, NOTES.md) is not yet measured against swapped on a GPU."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
-  if kernel == "rows" and fp8:
-    raise ValueError("mosaic_sm90: the rows kernel supports a bfloat16 cache only (an fp8 cache's two f16 half "
-                     "pages do not fit its SMEM next to a 2-page ring; NOTES.md); use kernel='swapped' or 'auto'")
   if kernel == "auto":
     return "rows" if (not fp8 and rows >= mosaic_sm90_rows.ROWS and rows % mosaic_sm90_rows.ROWS == 0) \
         else "swapped"
@@ -510,7 +494,7 @@ def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, 
   seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata).
   kernel: as mla_decode's (the two kernels split the pages into different numbers of shares)."""
   if choose_kernel(rows, fp8, kernel) == "rows":
-    num_parts = mosaic_sm90_rows.make_plan(rows, num_sms=_num_sms()).num_parts
+    num_parts = mosaic_sm90_rows.make_plan(rows, num_sms=_num_sms(), fp8=fp8).num_parts
   else:
     num_parts = make_plan(rows, fp8).num_parts
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
@@ -529,9 +513,11 @@ def _check_schedule(schedule, batch: int, num_parts: int):
 
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
                      interpret, num_parts, num_stages, schedule):
-  """mla_decode through the rows kernel (mosaic_sm90_rows.py): 64 query rows per CTA, bf16 cache."""
+  """mla_decode through the rows kernel (mosaic_sm90_rows.py): 64 query rows per CTA, bf16 or fp8 cache."""
   batch, sq, heads, _ = q.shape
-  plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages)
+  fp8 = cache.dtype == "fp8_e4m3"
+  plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
+                                    fp8=fp8)
   rows_padded = mosaic_sm90_rows.ROWS * plan.groups
   qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
   if rows_padded != plan.rows:
@@ -546,7 +532,11 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
-  o_part, lse2_part = call(qf, cache.latent, cache.rope, block_table, lens, cu, sched)
+  if fp8:   # Q's latent part in f16 (the dequantized page is f16); the TMA reads rope columns from qf
+    operands = (qf[..., :LATENT_DIM].astype(jnp.float16), qf, cache.latent, cache.rope, cache.scale)
+  else:
+    operands = (qf, cache.latent, cache.rope)
+  o_part, lse2_part = call(*operands, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), rows_major=True)   # [B, G*64, 512], [B, G*64]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
@@ -563,7 +553,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
   and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" (choose_kernel; the rows kernel takes
-  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16).
+  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

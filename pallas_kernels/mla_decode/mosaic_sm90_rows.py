@@ -22,8 +22,16 @@ m64n32 with Q as the SMEM A operand (more SMEM traffic per FLOP than m64n64: NOT
 P is rounded to bf16 (FlashMLA's choice; docs/architecture.md §3 admits it under the widened bound). Pages and
 slots past a sequence's length never enter a sum: table entries past its pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the latent rows of a partial last page past the length
-are zeroed by select before P.V (0 * NaN would be NaN). bf16 cache only: an fp8 cache needs two f16 half pages
-(64 KiB) on top of this and does not fit a 2-page ring (NOTES.md); mosaic_sm90 keeps fp8 on the swapped kernel.
+are zeroed by select before P.V (0 * NaN would be NaN).
+
+fp8 cache (plan.fp8): the ring holds fp8 pages (latent e4m3, rope bf16, scales f32) and has ONE slot: the
+dequantized f16 page (64 KiB) and its rope copy (8 KiB) leave no room for a second (NOTES.md counts it). Each compute
+warpgroup dequantizes its own 32 tokens (all 512 columns, e4m3 -> f16 x power-of-two tile scale: exact; tail tokens
+of a partial page -> 0) into that page and copies their rope, releases the fp8 slot at once (the producer refills it
+during this page's compute), and reads the f16 page for QK (its tokens) and P.V (its columns, after pbar). Q's
+latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barrier keeps the next dequant off the
+f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs fp8 on the swapped kernel until this is
+measured; kernel="rows" forces it.
 
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
@@ -41,6 +49,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
+from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -51,6 +60,8 @@ SMEM_LIMIT = 227 * 1024
 LOG2E = 1.4426950408889634
 NUM_WARPGROUPS = 3
 _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))      # fp8 [.., 256]: 128-byte rows
+FP8_TILE = 128                # latent columns per fp8 scale
 _SWZ_P = (plgpu.TilingTransform((8, TOK)), plgpu.SwizzleTransform(64))    # [64, 32] bf16: 64-byte rows
 
 
@@ -61,6 +72,7 @@ class Plan:
   groups: int          # row groups G of 64: 64 * G >= rows (the last one zero-padded)
   num_parts: int       # KV shares per row group (the split-KV width)
   num_stages: int      # page ring depth
+  fp8: bool = False    # fp8_e4m3 cache: a ring of fp8 pages, dequantized per page into one f16 page
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -68,64 +80,103 @@ class Plan:
 
   @property
   def smem_bytes(self) -> int:
-    return smem_bytes(self.num_stages)
+    return smem_bytes(self.num_stages, self.fp8)
 
 
-def smem_bytes(stages: int) -> int:
-  """Dynamic SMEM of the rows kernel (bf16 cache): Q, the page ring, P, the row-max / row-sum exchange."""
-  q = ROWS * (LATENT_DIM + ROPE_DIM) * 2
-  ring = stages * PAGE * (LATENT_DIM + ROPE_DIM) * 2
+def smem_bytes(stages: int, fp8: bool = False) -> int:
+  """Dynamic SMEM of the rows kernel: Q, the page ring, P, the row-max / row-sum exchange; with an fp8 cache
+  also the dequantized f16 page and its bf16 rope copy (NOTES.md: why the fp8 ring has one slot)."""
+  q = ROWS * (LATENT_DIM + ROPE_DIM) * 2       # fp8: the latent part in f16, rope bf16: same bytes
   p = ROWS * PAGE * 2
   exchange = 2 * 2 * ROWS * 4
+  if fp8:
+    ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * (LATENT_DIM // FP8_TILE) * 4)
+    ring += PAGE * (LATENT_DIM + ROPE_DIM) * 2   # the f16 page + the rope copy
+  else:
+    ring = stages * PAGE * (LATENT_DIM + ROPE_DIM) * 2
   return q + ring + p + exchange + 1024          # + barriers and alignment
 
 
-def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None) -> Plan:
+def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
+              fp8: bool = False) -> Plan:
+  """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
+  next to the f16 page exceed SMEM; NOTES.md)."""
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  stages = 2 if num_stages is None else int(num_stages)
-  if stages < 1 or smem_bytes(stages) > SMEM_LIMIT:
-    raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages need {smem_bytes(max(stages, 1))} bytes of "
-                     f"SMEM (limit {SMEM_LIMIT}); use num_stages 1 or 2")
-  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages)
+  stages = (1 if fp8 else 2) if num_stages is None else int(num_stages)
+  if stages < 1 or smem_bytes(stages, fp8) > SMEM_LIMIT:
+    fitting = [s for s in (1, 2) if smem_bytes(s, fp8) <= SMEM_LIMIT]
+    raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages ({'fp8' if fp8 else 'bf16'} cache) need "
+                     f"{smem_bytes(max(stages, 1), fp8)} bytes of SMEM (limit {SMEM_LIMIT}); use num_stages in "
+                     f"{fitting}")
+  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
-  """The pallas kernel: (qf [B*G, 64, 576] bf16, latent, rope, block_table, lens, cu, sched) ->
-  (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch."""
-  g_count, parts, stages = plan.groups, plan.num_parts, plan.num_stages
+  """The pallas kernel. bf16 cache: (qf [B*G, 64, 576] bf16, latent, rope, block_table, lens, cu, sched);
+  fp8 cache: (qn [B*G, 64, 512] f16, qf, latent, rope, scale, block_table, lens, cu, sched), qf's latent part
+  unused. -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch."""
+  g_count, parts, stages, fp8 = plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E
   causal_rows = bool(causal) and sq > 1
-  dt = jnp.bfloat16
+  dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
 
-  scratch = dict(
-      q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),           # Q latent, by half
-      qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), dt, transforms=_SWZ16),
-      ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=_SWZ16),
-      ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), dt, transforms=_SWZ16),
-      pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                # P; columns [32 w, +32) by warpgroup w
-      mx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-page row maxima, by warpgroup
-      lx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-segment row sums, by warpgroup
-      loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),        # the 3 TMA copies of a page landed
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # ring slot free again
-      qbar=plgpu.Barrier(num_arrivals=3),                               # Q latent halves + rope landed
-      mbar=plgpu.Barrier(num_arrivals=2),                               # row maxima written (both QKs done)
-      pbar=plgpu.Barrier(num_arrivals=2),                               # P written (and tails zeroed)
-      lbar=plgpu.Barrier(num_arrivals=2))                               # row sums written (segment done)
+  if fp8:
+    scratch = dict(
+        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),         # Q latent (f16), by half
+        qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
+        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+        ring_sc=plgpu.SMEM((stages, PAGE, LATENT_DIM // FP8_TILE), jnp.float32),
+        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16),           # the dequantized page, by latent half
+        krope=plgpu.SMEM((PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),   # its rope (frees the slot early)
+        pbuf=plgpu.SMEM((ROWS, PAGE), dt),
+        mx=plgpu.SMEM((2, ROWS), jnp.float32),
+        lx=plgpu.SMEM((2, ROWS), jnp.float32),
+        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),      # latent halves, rope, scales landed
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # both token halves dequantized
+        qbar=plgpu.Barrier(num_arrivals=3),
+        mbar=plgpu.Barrier(num_arrivals=2),
+        pbar=plgpu.Barrier(num_arrivals=2),
+        lbar=plgpu.Barrier(num_arrivals=2),
+        kfree=plgpu.Barrier(num_arrivals=2))                            # both P.V done with kbuf / krope
+  else:
+    scratch = dict(
+        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),           # Q latent, by half
+        qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), dt, transforms=_SWZ16),
+        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=_SWZ16),
+        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), dt, transforms=_SWZ16),
+        pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                # P; columns [32 w, +32) by warpgroup w
+        mx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-page row maxima, by warpgroup
+        lx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-segment row sums, by warpgroup
+        loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),        # the 3 TMA copies of a page landed
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # ring slot free again
+        qbar=plgpu.Barrier(num_arrivals=3),                               # Q latent halves + rope landed
+        mbar=plgpu.Barrier(num_arrivals=2),                               # row maxima written (both QKs done)
+        pbar=plgpu.Barrier(num_arrivals=2),                               # P written (and tails zeroed)
+        lbar=plgpu.Barrier(num_arrivals=2))                               # row sums written (segment done)
   names = list(scratch)
 
-  def body(q_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs):
+  def body(*refs):
+    if fp8:
+      qn_ref, q_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:11]
+      scratch_refs = refs[11:]
+    else:
+      q_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:9]
+      qn_ref = sc_ref = None
+      scratch_refs = refs[9:]
     r = dict(zip(names, scratch_refs))
     q_smem, qr_smem, ring_lat, ring_rope, pbuf, mx, lx = (
         r[k] for k in ("q_smem", "qr_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
     loaded, consumed, qbar, mbar, pbar, lbar = (
         r[k] for k in ("loaded", "consumed", "qbar", "mbar", "pbar", "lbar"))
+    ring_sc, kbuf, krope, kfree = (r.get(k) for k in ("ring_sc", "kbuf", "krope", "kfree"))
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
@@ -159,6 +210,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
                                     loaded.at[slot])
           plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          if fp8:
+            plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
           return c + 1
 
         return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
@@ -186,6 +239,34 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
             ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)] = jnp.where(rows < n_valid, x, jnp.zeros_like(x))
 
+      def dequant(slot, n_valid):
+        """fp8: this warpgroup's tokens [32 w, 32 w + 32) of the page, all 512 latent columns -> f16 x tile scale
+        (exact: power-of-two scales) into kbuf, tokens past the length -> 0 by select (they may hold NaN; only
+        a partial last page pays the select), and the same tokens' bf16 rope into krope. QK reads only these
+        tokens; P.V reads both halves after pbar."""
+        toks = pl.ds(w * TOK, TOK)
+        sc_all = plgpu.load(ring_sc.at[slot, toks], layout=scale_layout(), optimized=False)
+        col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
+
+        def convert(masked: bool):
+          if masked:
+            row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + w * TOK
+            ok = (row4 < n_valid).astype(jnp.float32)
+          for t in range(LATENT_DIM // FP8_TILE):
+            s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
+            cols = pl.ds((t % 2) * FP8_TILE, FP8_TILE)
+            x = plgpu.load(ring_lat.at[slot, t // 2, toks, cols], layout=dequant_layout(),
+                           optimized=True).astype(jnp.float16)
+            x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
+            if masked:
+              ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+              x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+            kbuf[t // 2, toks, cols] = x
+          krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
+
+        pl.when(n_valid >= (w + 1) * TOK)(lambda: convert(False))
+        pl.when(n_valid < (w + 1) * TOK)(lambda: convert(True))
+
       def seg(b, ctr):
         lo, hi = seq_pages(b)
         length = lens_ref[b]
@@ -198,7 +279,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.commit_smem()
             bg = b * g_count + grp
             for h in range(2):
-              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
+              q_src = qn_ref.at[bg, :, pl.ds(h * HALF, HALF)] if fp8 else q_ref.at[bg, :, pl.ds(h * HALF, HALF)]
+              plgpu.copy_gmem_to_smem(q_src, q_smem.at[h], qbar)
             plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar)
           plgpu.barrier_wait(qbar)
           limit = (length - sq + 1 + q_index) if causal_rows else length
@@ -209,12 +291,26 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             slot = lax.rem(c, stages)
             n_valid = length - j * PAGE
             plgpu.barrier_wait(loaded.at[slot])
+            if fp8:
+              @pl.when(c > 0)
+              def _():
+                plgpu.barrier_wait(kfree)       # both P.Vs of the previous page are done reading kbuf
+
+              dequant(slot, n_valid)
+              plgpu.commit_smem()               # this warpgroup's tiles visible to its wgmma
+              plgpu.barrier_arrive(consumed.at[slot])   # the fp8 slot is read: the producer may refill it
 
             def qk(acc_ref):
               for cc in range(LATENT_DIM // CHUNK):
-                k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
+                if fp8:
+                  k_tile = kbuf.at[cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
+                else:
+                  k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
                 plgpu.wgmma(acc_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
-              plgpu.wgmma(acc_ref, qr_smem, ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
+              if fp8:
+                plgpu.wgmma(acc_ref, qr_smem, krope.at[pl.ds(w * TOK, TOK)].T)
+              else:
+                plgpu.wgmma(acc_ref, qr_smem, ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
               plgpu.wgmma_wait(0)
               return acc_ref[...]
 
@@ -233,18 +329,20 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)                          # this warpgroup's 32 tokens
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            zero_tail(slot, n_valid)
+            if not fp8:
+              zero_tail(slot, n_valid)        # (fp8: the dequant zeroed the tail tokens of kbuf)
             pbuf[:, pl.ds(w * TOK, TOK)] = p.astype(dt)
             plgpu.commit_smem()
             plgpu.barrier_arrive(pbar)
             plgpu.barrier_wait(pbar)
+            v_half = lambda: kbuf.at[w] if fp8 else ring_lat.at[slot, w]   # (taken inside each pv: same trace)
 
             if on_gpu:
               # P [64, 64] as the wgmma A operand from registers, accumulating onto the rescaled O in place
               p_all = plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False)
 
               def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_all, ring_lat.at[slot, w])
+                plgpu.wgmma(acc_ref, p_all, v_half())
                 plgpu.wgmma_wait(0)
 
               acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -252,12 +350,12 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               # GPU interpret mode runs neither a register A operand nor a preinitialized accumulator: the same
               # product with P read from SMEM into a fresh accumulator (on the GPU that would be 256 registers)
               def pv(acc_ref):
-                plgpu.wgmma(acc_ref, pbuf, ring_lat.at[slot, w])
+                plgpu.wgmma(acc_ref, pbuf, v_half())
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
               acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, HALF), jnp.float32))
-            plgpu.barrier_arrive(consumed.at[slot])
+            plgpu.barrier_arrive(kfree if fp8 else consumed.at[slot])
             return acc, m_new, l_i
 
           acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
@@ -279,7 +377,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
         return ctr + jnp.maximum(hi - lo, 0)
 
-      lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      if fp8:
+        @pl.when(done > 0)
+        def _():
+          plgpu.barrier_wait(kfree)           # the last page's release, so no phase is left pending
 
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))

@@ -42,7 +42,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
+from jax._src.lib.mlir.dialects import llvm, memref, vector
 
 from pallas_kernels import gpu_interpret
 from pallas_kernels.w4a16 import layout, routing
@@ -55,7 +55,7 @@ WORD_ROWS = layout.CHUNK_K // layout.NIBBLES   # 32 word rows per chunk
 SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
-DEFAULT_CONFIG = dict(num_stages=4, target_programs=528, splits=None, consumer_registers=232,
+DEFAULT_CONFIG = dict(num_stages=None, target_programs=528, splits=None, consumer_registers=232,
                       producer_registers=40)
 DENSE_CONFIG = dict(target_programs=1056)
 
@@ -70,15 +70,43 @@ _X_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))        # b
 _ROW = plgpu.Layout.WGMMA.reduce(1)         # [64] per A row (weight column): each thread's two rows
 
 
-def words_register_map():
-  """{words register index: (wgmma bf16 register index, vector element)} for one [32, 64] word tile: word register
-  (m, h, e) of WORDS_LAYOUT feeds vector element e of the A register (m, h) (module docstring). Static; checked
-  against Mosaic's layouts by tests/test_w4a16_mosaic.py."""
+def register_owners(tiled_layout, shape) -> dict:
+  """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, computed
+  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
+  tiling = tiled_layout.tiling
+  tshape = tiling.tile_shape(tuple(shape))
+  tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
+  rank = len(tshape)
+  norm = lambda d: d % rank
+  warp_dims = [norm(d) for d in tiled_layout.warp_dims]
+  lane_dims = [norm(d) for d in tiled_layout.lane_dims]
+  vdim = norm(tiled_layout.vector_dim)
+  owners = {}
+  for idx in np.ndindex(*tshape):
+    linear = sum(i * st for i, st in zip(idx, tstrides))
+    warp = lane = 0
+    for d in warp_dims:
+      warp = warp * tshape[d] + idx[d]
+    for d in lane_dims:
+      lane = lane * tshape[d] + idx[d]
+    reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
+    owners[(warp, lane, reg, idx[vdim])] = np.unravel_index(linear, shape)
+  return owners
+
+
+@functools.lru_cache(maxsize=None)
+def words_register_map() -> dict:
+  """{words register index: (A register index, vector element)}: word (r, n), held by a thread in WORDS_LAYOUT,
+  feeds element (n, r) of the wgmma A operand [64, 32] (WGMMA layout), held by the same thread. Raises if the two
+  layouts do not put every such pair on the same thread at the same register position for every thread."""
+  words = register_owners(WORDS_LAYOUT.to_mgpu(), (WORD_ROWS, SUB_N))
+  a_owner = {(wp, ln, tuple(int(v) for v in idx)): (reg, e)
+             for (wp, ln, reg, e), idx in register_owners(mgpu.WGMMA_LAYOUT, (SUB_N, PLANE)).items()}
   out = {}
-  for m in range(WORD_ROWS // 8):
-    for h in range(2):
-      for e in range(2):
-        out[(m, 0, 0, 0, 0, h, 0, 0, e, 0)] = ((0, m, 0, 0, h, 0, 0, 0, 0), e)
+  for (wp, ln, reg, _), (r, n) in words.items():
+    target = a_owner.get((wp, ln, (int(n), int(r))))
+    if target is None or out.setdefault(reg, target) != target:
+      raise AssertionError(f"WORDS_LAYOUT does not transpose the wgmma A layout at word ({r}, {n})")
   return out
 
 
@@ -142,6 +170,14 @@ def smem_bytes(block_m: int, group: int, stages: int) -> int:
                + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * 3
                + block_m * layout.CHUNK_K * 2)
   return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
+
+
+def default_stages(block_m: int, group: int, most: int = 4) -> int:
+  """The deepest ring (at most `most` stages) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
+  stages = most
+  while stages > 2 and smem_bytes(block_m, group, stages) > SMEM_LIMIT:
+    stages -= 1
+  return stages
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,14 +268,14 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
 
         def chunk_products(acc_ref, slot):
           if on_gpu:
-            words = plgpu.load(ring_w.at[slot, w], (), layout=WORDS_LAYOUT, optimized=False)
+            words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
             planes = _decode_planes_gpu(words)
           else:
             planes = _decode_planes_jnp(ring_w[slot, w])
           for gi in range(gpc):
             if on_gpu:
-              s = plgpu.load(ring_s.at[slot, w, gi], (), layout=_ROW, optimized=False)
-              z = plgpu.load(ring_z.at[slot, w, gi], (), layout=_ROW, optimized=False)
+              s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
+              z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
             else:
               s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
             s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
@@ -248,7 +284,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             zb = lax.broadcast_in_dim(z16, (SUB_N, PLANE), [0])
             for j in range(gi * ppg, (gi + 1) * ppg):                      # the group's planes
               a = (planes[j] - zb) * sb                                   # (q - z) * s, one bf16 rounding
-              xt = plgpu.transpose_ref(ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)], (1, 0))     # [32, bm]
+              xt = ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)].transpose((1, 0))     # [32, bm]
               if on_gpu:
                 plgpu.wgmma(acc_ref, a, xt)
               else:
@@ -277,7 +313,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             plgpu.barrier_arrive(r["upbar"])
             return
           plgpu.barrier_wait(r["upbar"])
-          up = plgpu.load(r["xch"], (), layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
+          up = plgpu.load(r["xch"], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
           acc = acc * jax.nn.sigmoid(acc) * up
           dst = o_ref.at[rows, pl.ds(p * SUB_N, SUB_N)]
         elif split:
@@ -344,10 +380,11 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
   xb = block_rows(x, row_token, w.k_pad)
   call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
-                      out_dtype=jnp.dtype(out_dtype), num_stages=cfg["num_stages"],
+                      out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       interpret=bool(interpret))
   out = call(block_expert, xb, w.packed, w.scales, w.zeros)

@@ -108,3 +108,18 @@ def test_backend_rules_for_mosaic():
       api.resolve_backend("mosaic_sm90", jnp.bfloat16)
   # auto never picks it (unmeasured)
   assert api.resolve_backend("auto", jnp.bfloat16, interpret=True)[0] == "triton"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_moe_interpret_gated_k_split(splits):
+  """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
+  192 is not a multiple of the 128-column tile of the down projection."""
+  rng = np.random.default_rng(3)
+  e, d, i, g, t, k = 4, 512, 192, 64, 4, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
+                    config=dict(splits=splits))
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2

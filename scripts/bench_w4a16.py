@@ -1,6 +1,7 @@
 """Benchmark of the w4a16 ops (pallas_kernels.w4a16) at DeepSeek-V3 shapes, with the copy ceiling of the same run.
 
   python scripts/bench_w4a16.py --out bench/results/w4a16_h200.json [--commit SHA] [--quick] [--sweep]
+                                [--backends triton,mosaic_sm90]
 
 Dense AWQ linears (7168->18432, 18432->7168, 7168->24576, 16384->7168) at M = 1, 16, 64, 128, and the routed
 experts of one MoE layer (E=256, D=7168, I=2048, top-8, g64 and g128) at T = 1, 16, 64, 128, 256 with uniform
@@ -8,7 +9,8 @@ random routing. For each: microseconds, the bytes that must be read (weights of 
 scales and zeros included), GB/s and % of the copy ceiling. The `xla` backend (dequantize + dot) is timed as the
 baseline where it finishes in reasonable time. Before timing, each kernel shape is checked against the xla
 reference on the same inputs (relative error of the output). --sweep times kernel configurations on two shapes.
-Prints a table last and writes JSON (device, jax version, commit).
+Prints a table last and writes JSON (device, jax version, commit). --backends times each named kernel backend on
+the same inputs (rows carry `backend`); a new backend is checked against xla at every timed shape.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.testing import copy_ceiling_gbps, time_calls
-from pallas_kernels.w4a16 import api, layout, routing, triton
+from pallas_kernels.w4a16 import api, layout, mosaic_sm90, routing, triton
+
+KERNEL_MODULES = dict(triton=triton, mosaic_sm90=mosaic_sm90)
 
 DENSE_SHAPES = ((7168, 18432), (18432, 7168), (7168, 24576), (16384, 7168))
 MOE = dict(experts=256, hidden=7168, inter=2048, top_k=8)
@@ -37,14 +41,14 @@ def expert_bytes(w: layout.W4A16Weight) -> int:
   return w.nbytes() // w.lead_shape[0]
 
 
-def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
+def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="triton"):
   key = jax.random.key(0)
   for (k, n) in DENSE_SHAPES[:2] if quick else DENSE_SHAPES:
     w = layout.random_weight(key, (), k, n, 64)
     wb = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.01
     for m in ms:
       xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(2)]
-      f_tri = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="triton", config=config))
+      f_tri = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=backend, config=config))
       f_xla = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="xla"))
       f_bf16 = jax.jit(lambda x, w: x @ w)
       err = rel_err(f_tri(xs[0], w), f_xla(xs[0], w)) if check else None
@@ -52,13 +56,13 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True):
       t_xla = time_calls(f_xla, [(x, w) for x in xs], max_calls=500)
       t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs], max_calls=500)
       nbytes = w.nbytes() + 2 * m * (k + n)
-      rows.append(dict(op="dense", k=k, n=n, m=m, group=64, us=t_tri * 1e6, xla_us=t_xla * 1e6,
+      rows.append(dict(op="dense", backend=backend, k=k, n=n, m=m, group=64, us=t_tri * 1e6, xla_us=t_xla * 1e6,
                        bf16_dot_us=t_bf16 * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, rel_err_vs_xla=err, config=config))
       print(rows[-1], flush=True)
 
 
-def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
+def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), backend="triton"):
   e, d, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
   for g in groups:
     w13 = layout.random_weight(jax.random.key(1), (e,), d, i, g, gate_up=True)
@@ -69,7 +73,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
       for s in range(2):
         ids, wts = routing.uniform_random(jax.random.key(100 + s), t, e, k)
         sets.append((jax.random.normal(jax.random.key(200 + s), (t, d), jnp.bfloat16), ids, wts))
-      f_tri = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="triton",
+      f_tri = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend=backend,
                                                                   config=config))
       err = None
       if t in check_ts:
@@ -80,7 +84,8 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
       bm = api.default_block_m(t, k, e)
       rts = [routing.align(s[1], s[2], e, bm) for s in sets]
       busy = min(rts[0].num_blocks, e, t * k)
-      f_kern = jax.jit(lambda x, rt, w13, w2: triton.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
+      kmod = KERNEL_MODULES[backend]
+      f_kern = jax.jit(lambda x, rt, w13, w2: kmod.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
       t_kern = time_calls(f_kern, [(s[0], rt, w13, w2) for s, rt in zip(sets, rts)], max_calls=500)
       t_xla = None
       if t in xla_ts:
@@ -88,7 +93,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,)):
         t_xla = time_calls(f_xla, [(*s, w13, w2) for s in sets], min_batch_s=0.01, batches=3, max_calls=500)
       used = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
       nbytes = used * per_expert + 2 * t * d * 2
-      rows.append(dict(op="moe", t=t, group=g, experts_used=used, us=t_tri * 1e6, kernels_us=t_kern * 1e6,
+      rows.append(dict(op="moe", backend=backend, t=t, group=g, experts_used=used, us=t_tri * 1e6, kernels_us=t_kern * 1e6,
                        xla_us=None if t_xla is None else t_xla * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3),
                        rel_err_vs_xla=err, config=config))
@@ -139,8 +144,14 @@ def main(argv=None):
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
   ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
   ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep")
+  ap.add_argument("--backends", default="triton",
+                  help="comma-separated kernel backends to time, e.g. triton,mosaic_sm90 (mosaic_sm90: Hopper only)")
   ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
   args = ap.parse_args(argv)
+  backends = [b for b in args.backends.split(",") if b]
+  unknown = [b for b in backends if b not in KERNEL_MODULES]
+  if unknown:
+    raise SystemExit(f"--backends: unknown {unknown}; choose from {sorted(KERNEL_MODULES)}")
   commit = args.commit
   if commit is None:
     try:
@@ -175,12 +186,16 @@ def main(argv=None):
         r["sweep"] = True
       rows.extend(sweep_rows)
       save()
-  if "moe" in args.ops:
-    bench_moe(rows, ceiling, (1, 16, 64) if args.quick else (1, 16, 64, 128, 256), (64,) if args.quick else (64, 128),
-              xla_ts=(1, 64))
-    save()
-  if "dense" in args.ops:
-    bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick)
+  for backend in backends:
+    if "moe" in args.ops:
+      moe_ts = (1, 16, 64) if args.quick else (1, 16, 64, 128, 256)
+      bench_moe(rows, ceiling, moe_ts, (64,) if args.quick else (64, 128),
+                xla_ts=(1, 64) if backend == backends[0] else (),
+                check_ts=(16,) if backend == "triton" else moe_ts, backend=backend)
+      save()
+    if "dense" in args.ops:
+      bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick, backend=backend)
+      save()
   if "routing" in args.ops:
     bench_routing(rows, (1, 16, 64, 256))
   save()
@@ -197,6 +212,7 @@ def main(argv=None):
     shape = (f"T{r['t']} g{r['group']} E{r['experts_used']:.0f}" if r["op"] == "moe"
              else f"{r['k']}x{r['n']} M{r['m']}")
     tag = " sweep " + json.dumps(r["config"]) if r.get("sweep") else ""
+    tag = (f" [{r['backend']}]" if r.get("backend", "triton") != "triton" else "") + tag
     xla = f"{r['xla_us']:9.1f}" if r.get("xla_us") else f"{'-':>9}"
     err = f"{r['rel_err_vs_xla']:.1e}" if r.get("rel_err_vs_xla") is not None else "-"
     kern = f"{r['kernels_us']:8.1f}" if r.get("kernels_us") else f"{'-':>8}"

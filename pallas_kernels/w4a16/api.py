@@ -7,12 +7,14 @@
 Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z, s). Backends:
   triton  Pallas Triton kernels (triton.py); CUDA compute capability >= 8.0, or interpret=True on any device;
           bf16 activations.
+  mosaic_sm90  Pallas Mosaic GPU kernels for Hopper (mosaic_sm90.py: TMA-streamed weights, wgmma with the decoded
+          weights as a register operand); CUDA compute capability 9.x, or interpret=True on any device; bf16
+          activations. Only when requested by name: `auto` keeps triton until the H200 numbers are in (NOTES.md).
   xla     dequantize-and-dot (reference.py); any device and dtype.
 `auto` picks triton for bf16 activations on a CUDA GPU of compute capability >= 8.0 (or in interpret mode), else
 xla (also for group sizes the kernels are not built for), and logs one INFO line (logger "pallas_kernels") per
 distinct choice with its reason. A backend requested by
-name that cannot run raises ValueError saying why and what would run; nothing is swapped silently. There is no
-Hopper-specific (mosaic_sm90) w4a16 kernel yet: asking for one raises.
+name that cannot run raises ValueError saying why and what would run; nothing is swapped silently.
 
 Both ops are plain jittable functions; the MoE groups tokens by expert on the device with static shapes
 (routing.py). Under a mesh, call them inside `jax.shard_map` on per-device shards (a column-split weight gives
@@ -26,7 +28,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.w4a16 import layout, reference, routing, triton
+from pallas_kernels.w4a16 import layout, mosaic_sm90, reference, routing, triton
 
 logger = logging.getLogger("pallas_kernels")
 
@@ -54,8 +56,18 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   bf16 = jnp.dtype(x_dtype) == jnp.bfloat16
   kernel_group = group_size is None or group_size in layout.KERNEL_GROUP_SIZES
   if requested == "mosaic_sm90":
-    raise ValueError("w4a16 backend 'mosaic_sm90' does not exist yet; 'triton' runs on compute capability >= 8.0 "
-                     "(Hopper included) and 'xla' anywhere.")
+    if not bf16:
+      raise ValueError(f"w4a16 backend 'mosaic_sm90' takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x "
+                       f"to bfloat16 or use backend='xla'.")
+    if not kernel_group:
+      raise ValueError(f"w4a16 backend 'mosaic_sm90' is built for group sizes {layout.KERNEL_GROUP_SIZES}, got "
+                       f"{group_size}; use backend='xla' for this weight.")
+    hopper = device.platform == "gpu" and cc is not None and cc[0] == 9
+    if not (interpret or hopper):
+      raise ValueError(f"w4a16 backend 'mosaic_sm90' needs a Hopper GPU (CUDA compute capability 9.x) or "
+                       f"interpret=True; this is a {where}. backend='triton' runs on compute capability >= 8.0, "
+                       f"backend='xla' anywhere.")
+    return "mosaic_sm90", "requested"
   if requested == "xla":
     return "xla", "requested"
   if requested == "triton":
@@ -76,7 +88,7 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   if interpret:
     return "triton", "interpret=True"
   if on_gpu:
-    return "triton", f"{where} >= 8.0 (no Hopper-specific w4a16 kernel yet)"
+    return "triton", f"{where} >= 8.0 (mosaic_sm90 is unmeasured: request it by name)"
   return "xla", f"no CUDA GPU of compute capability >= 8.0 ({where})"
 
 
@@ -103,8 +115,11 @@ def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "au
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   if x.shape[0] == 0:
     return jnp.zeros((0, weight.n), out_dtype)
-  if _choose(backend, x.dtype, interpret, weight.group_size) == "xla":
+  name = _choose(backend, x.dtype, interpret, weight.group_size)
+  if name == "xla":
     return reference.matmul(x, weight, out_dtype=out_dtype)
+  if name == "mosaic_sm90":
+    return mosaic_sm90.matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
   return triton.matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
 
 
@@ -142,9 +157,12 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
   if t == 0:
     return jnp.zeros((0, w2.n), x.dtype)
   bm = block_m or default_block_m(t, k, num_experts)
-  if _choose(backend, x.dtype, interpret, w13.group_size) == "xla":
+  name = _choose(backend, x.dtype, interpret, w13.group_size)
+  if name == "xla":
     return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=bm)
   rt = routing.align(topk_ids, topk_weights, num_experts, bm)
   busy = min(rt.num_blocks, num_experts, t * k)          # blocks expected in use: sizes the K split
+  if name == "mosaic_sm90":
+    return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config).astype(x.dtype)
   rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config)
   return routing.combine(rows, rt).astype(x.dtype)

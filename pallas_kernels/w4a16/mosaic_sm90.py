@@ -1,0 +1,442 @@
+"""The `mosaic_sm90` backend: int4-weight x bf16-activation GEMMs for Hopper in Pallas Mosaic GPU (`plgpu.kernel`).
+
+Same math and entry shapes as triton.py (`grouped_matmul`, `matmul`, `moe`), built to stream weights at memory
+speed (NOTES.md, "Hopper kernel"). Orientation: the weights are the wgmma M side, the tokens the N side:
+
+  acc_w [64 cols, bm tok]  +=  A [64 cols, 32 k] . B [32 k, bm tok]      per nibble plane j of each 256-row chunk
+  A = W^T of plane j, decoded in registers;  B = x^T of K rows [32 j, 32 j + 32), a transposed view of SMEM.
+
+CTA (b, p, s) = row block b (block_m rows of one expert), column tile p, K split s; three warpgroups:
+  warpgroup 2  producer: per chunk, TMA copies of two [32, 64] int32 word tiles (16 KiB), their scales and zeros
+               and the block's x tile [bm, 256] bf16 into stage `slot` of a `num_stages` ring (one mbarrier each).
+  warpgroups 0, 1  consumers: warpgroup w owns one 64-column sub-tile (gated: w = 0 the gate columns, w = 1 the
+               same columns of the up half; else columns 128 p + 64 w) and one [64, bm] f32 accumulator.
+
+Decode (GPU): the word tile is loaded from SMEM in WORDS_LAYOUT, the transpose of the wgmma A-operand layout, so a
+thread holds exactly the words (r, n), (r + 1, n) whose nibble j are the two bf16 of one A-fragment register
+(n, r..r+1). One `prmt` (+ `shr` for odd j) and one `lop3` per register give (nibble | 0x4300) = 128 + q as
+bf16x2 (triton.py's trick, _nibble_asm). Scale and zero are folded into A before the product, per group and per
+column (each thread's two rows): A = ((128 + q) - (128 + z)) * s in bf16 — the subtraction is exact, so A is
+(q - z) * s rounded once to bf16, what the xla reference multiplies. Why fold, not triton.py's per-group f32
+correction: one accumulator for the whole K range (wgmma never waits on a per-group epilogue, no per-group sum of
+x is needed), and the fold costs 2 bf16x2 instructions per 2 weights on the FMA pipe, which the int decode does not
+use. The price is precision: bf16 products like the xla path instead of exact f32 ones (docs/architecture.md §4
+tolerances hold).
+
+Interpret mode (CPU) runs neither a register A operand nor inline PTX: the same kernel decodes with jnp, stages A
+through an SMEM scratch and stores with jnp (`_INTERPRET_A`). GPU-only code paths are checked by lowering the
+kernel for CUDA on the CPU (tests/test_w4a16_mosaic.py), which runs Mosaic GPU's layout, TMA and wgmma checks.
+
+Output: rows of blocks in use are written whole (padding rows too: x's padding rows are zero, so finite); rows of
+unused blocks (expert -1) are left unwritten, as in triton.py. K splits write float32 partials summed by XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm, memref, vector
+
+from pallas_kernels import gpu_interpret
+from pallas_kernels.w4a16 import layout, routing
+
+SUB_N = 64                  # weight columns per consumer warpgroup (wgmma M)
+NUM_CONSUMERS = 2
+NUM_WARPGROUPS = NUM_CONSUMERS + 1
+PLANE = layout.PLANE_K      # 32 K rows per nibble plane
+WORD_ROWS = layout.CHUNK_K // layout.NIBBLES   # 32 word rows per chunk
+SMEM_LIMIT = 227 * 1024
+_MAGIC_BITS = 0x4300
+
+DEFAULT_CONFIG = dict(num_stages=None, target_programs=528, splits=None, consumer_registers=232,
+                      producer_registers=40)
+DENSE_CONFIG = dict(target_programs=1056)
+
+# [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
+# operand W^T [64, 32] (WGMMA layout: warp n // 16, lane 4 (n % 8) + (r % 8) // 2, register (r // 8, (n % 16) // 8),
+# vector element r % 2) holds word (r, n). Vector length 1 along n: the SMEM tile is r-major, so r pairs are two
+# 32-bit loads (conflict-free on the 128-byte swizzled tile).
+_WORDS_TILING = ((8, 64), (8, 16), (8, 8), (2, 1))
+WORDS_LAYOUT = plgpu.Layout.TILED(mgpu.fragmented_array.Tiling(_WORDS_TILING), warp_dims=(-7,), lane_dims=(-3, -4), vector_dim=-1)
+_W_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))       # int32 rows of 128 bytes
+_X_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))        # bf16 [bm, 32] plane = one tile column
+_ROW = plgpu.Layout.WGMMA.reduce(1)         # [64] per A row (weight column): each thread's two rows
+
+
+def register_owners(tiled_layout, shape) -> dict:
+  """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, computed
+  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
+  tiling = tiled_layout.tiling
+  tshape = tiling.tile_shape(tuple(shape))
+  tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
+  rank = len(tshape)
+  norm = lambda d: d % rank
+  warp_dims = [norm(d) for d in tiled_layout.warp_dims]
+  lane_dims = [norm(d) for d in tiled_layout.lane_dims]
+  vdim = norm(tiled_layout.vector_dim)
+  owners = {}
+  for idx in np.ndindex(*tshape):
+    linear = sum(i * st for i, st in zip(idx, tstrides))
+    warp = lane = 0
+    for d in warp_dims:
+      warp = warp * tshape[d] + idx[d]
+    for d in lane_dims:
+      lane = lane * tshape[d] + idx[d]
+    reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
+    owners[(warp, lane, reg, idx[vdim])] = np.unravel_index(linear, shape)
+  return owners
+
+
+@functools.lru_cache(maxsize=None)
+def words_register_map() -> dict:
+  """{words register index: (A register index, vector element)}: word (r, n), held by a thread in WORDS_LAYOUT,
+  feeds element (n, r) of the wgmma A operand [64, 32] (WGMMA layout), held by the same thread. Raises if the two
+  layouts do not put every such pair on the same thread at the same register position for every thread."""
+  words = register_owners(WORDS_LAYOUT.to_mgpu(), (WORD_ROWS, SUB_N))
+  a_owner = {(wp, ln, tuple(int(v) for v in idx)): (reg, e)
+             for (wp, ln, reg, e), idx in register_owners(mgpu.WGMMA_LAYOUT, (SUB_N, PLANE)).items()}
+  out = {}
+  for (wp, ln, reg, _), (r, n) in words.items():
+    target = a_owner.get((wp, ln, (int(n), int(r))))
+    if target is None or out.setdefault(reg, target) != target:
+      raise AssertionError(f"WORDS_LAYOUT does not transpose the wgmma A layout at word ({r}, {n})")
+  return out
+
+
+def _nibble_asm(j: int) -> str:
+  """$1 (word of row r), $2 (row r + 1) -> $0 = bf16x2 (128 + nibble j of each): triton._nibble_asm's sequence."""
+  byte = j // 2
+  selector = byte | (4 + byte) << 8
+  shift = "shr.u32 t, t, 4;\n" if j % 2 else ""
+  return ("{\n.reg .b32 t;\n" f"prmt.b32 t, $1, $2, {selector:#06x};\n" + shift
+          + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
+
+
+_PLANE_TYPE = plgpu.ShapeDtypeStruct((SUB_N, PLANE), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+
+@plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,), return_type=(_PLANE_TYPE,) * layout.NIBBLES)
+def _decode_planes_gpu(_ctx, words):
+  """words [32, 64] int32 (WORDS_LAYOUT) -> 8 planes [64, 32] bf16 (WGMMA layout): plane j = (W^T of rows 32 j..)
+  + 128, built register by register with inline PTX."""
+  i32 = ir.IntegerType.get_signless(32)
+  bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+  shape = mgpu.WGMMA_LAYOUT.registers_shape((SUB_N, PLANE))
+  planes = [np.empty(shape, dtype=object) for _ in range(layout.NIBBLES)]
+  pairs = {}
+  for widx, (aidx, e) in words_register_map().items():
+    reg = words.registers[widx]
+    pairs.setdefault(aidx, [None, None])[e] = vector.extract(
+        reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+  if len(pairs) != int(np.prod(shape)):
+    raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
+  for aidx, (lo, hi) in pairs.items():
+    for j in range(layout.NIBBLES):
+      packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
+      planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
+  return tuple(mgpu.FragmentedArray(_registers=p, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None) for p in planes)
+
+
+def _decode_planes_jnp(words):
+  """words [32, 64] int32 -> 8 planes [64, 32] bf16 (128 + nibble, transposed); interpret mode."""
+  out = []
+  for j in range(layout.NIBBLES):
+    v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
+    out.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16).T)
+  return tuple(out)
+
+
+def _store_transposed_gpu(acc, out_ref):
+  """out_ref [bm, 64] (GMEM) <- acc [64, bm]^T, one scalar store per element (rows of a block are few; the
+  transpose is free in registers)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(_ctx, a, ref):
+    def put(value, idx):
+      memref.store(value, ref, [idx[1], idx[0]])
+    a.foreach(put)
+
+  store(acc, out_ref)
+
+
+def smem_bytes(block_m: int, group: int, stages: int) -> int:
+  per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
+               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * 3
+               + block_m * layout.CHUNK_K * 2)
+  return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
+
+
+def default_stages(block_m: int, group: int, most: int = 4) -> int:
+  """The deepest ring (at most `most` stages) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
+  stages = most
+  while stages > 2 and smem_bytes(block_m, group, stages) > SMEM_LIMIT:
+    stages -= 1
+  return stages
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
+                 group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
+                 consumer_registers: int, producer_registers: int, interpret: bool):
+  """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
+  gpc = layout.CHUNK_K // group                  # quantization groups per chunk
+  ppg = group // PLANE                           # planes per group
+  stages = num_stages
+  on_gpu = not interpret
+  split = splits > 1
+  rows_total = num_blocks * block_m
+  n_out = n_pad // 2 if gated else n_pad
+  gate_in_kernel = gated and not split
+  if block_m % 8 or not 8 <= block_m <= 256:
+    raise ValueError(f"w4a16 mosaic_sm90: block_m {block_m} must be a multiple of 8 in [8, 256].")
+  if smem_bytes(block_m, group, stages) > SMEM_LIMIT:
+    raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
+                     f"{smem_bytes(block_m, group, stages)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
+
+  scratch = dict(
+      ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
+      ring_s=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.float16),
+      ring_z=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.uint8),
+      ring_x=plgpu.SMEM((stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
+      xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
+      loaded=plgpu.Barrier(num_arrivals=3 * NUM_CONSUMERS + 1, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+      upbar=plgpu.Barrier(num_arrivals=1))
+  if not on_gpu:
+    scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, PLANE), jnp.bfloat16, transforms=_X_SWZ)
+  names = list(scratch)
+
+  def body(block_expert_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *scratch_refs):
+    r = dict(zip(names, scratch_refs))
+    ring_w, ring_s, ring_z, ring_x = r["ring_w"], r["ring_s"], r["ring_z"], r["ring_x"]
+    loaded, consumed = r["loaded"], r["consumed"]
+    wg = lax.axis_index("wg")
+    b, p, sp = lax.axis_index("b"), lax.axis_index("p"), lax.axis_index("s")
+    expert = block_expert_ref[b]
+    c_lo = sp * chunks_per_split
+    c_hi = jnp.minimum(c_lo + chunks_per_split, n_chunks)
+    n_steps = jnp.maximum(c_hi - c_lo, 0)
+
+    def column(w: int):
+      if gated:
+        return w * up_offset + p * SUB_N
+      # a sub-tile past N_pad (N_pad not a multiple of 128) re-reads sub-tile 0 and is not stored
+      return jnp.minimum(p * (NUM_CONSUMERS * SUB_N) + w * SUB_N, n_pad - SUB_N)
+
+    @pl.when(expert >= 0)
+    def _active():
+      @pl.when(wg == NUM_CONSUMERS)
+      def _producer():
+        if on_gpu:
+          plgpu.set_max_registers(producer_registers, action="decrease")
+
+        def step(i, _):
+          slot = lax.rem(i, stages)
+          c = c_lo + i
+
+          @pl.when(i >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          for w in range(NUM_CONSUMERS):
+            col = pl.ds(column(w), SUB_N)
+            plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w],
+                                    loaded.at[slot])
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
+                                  ring_x.at[slot], loaded.at[slot])
+          return ()
+
+        lax.fori_loop(0, n_steps, step, ())
+        for i in range(stages):       # observe the release of the last stages: no barrier phase left pending
+          @pl.when(n_steps + i >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[lax.rem(n_steps + i, stages)])
+
+      def consumer(w: int):
+        if on_gpu:
+          plgpu.set_max_registers(consumer_registers, action="increase")
+
+        def chunk_products(acc_ref, slot):
+          if on_gpu:
+            words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
+            planes = _decode_planes_gpu(words)
+          else:
+            planes = _decode_planes_jnp(ring_w[slot, w])
+          for gi in range(gpc):
+            if on_gpu:
+              s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
+              z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
+            else:
+              s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
+            s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
+            z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
+            sb = lax.broadcast_in_dim(s16, (SUB_N, PLANE), [0])
+            zb = lax.broadcast_in_dim(z16, (SUB_N, PLANE), [0])
+            for j in range(gi * ppg, (gi + 1) * ppg):                      # the group's planes
+              a = (planes[j] - zb) * sb                                   # (q - z) * s, one bf16 rounding
+              xt = ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)].transpose((1, 0))     # [32, bm]
+              if on_gpu:
+                plgpu.wgmma(acc_ref, a, xt)
+              else:
+                r["a_smem"][w] = a
+                plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
+          plgpu.wgmma_wait(0)
+
+        def run(acc_ref):
+          def step(i, _):
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(loaded.at[slot])
+            chunk_products(acc_ref, slot)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return ()
+
+          lax.fori_loop(0, n_steps, step, ())
+          return acc_ref[...]
+
+        acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+        rows = pl.ds(b * block_m, block_m)
+        col = column(w)
+        if gate_in_kernel:
+          if w == 1:
+            r["xch"][...] = acc
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(r["upbar"])
+            return
+          plgpu.barrier_wait(r["upbar"])
+          up = plgpu.load(r["xch"], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
+          acc = acc * jax.nn.sigmoid(acc) * up
+          dst = o_ref.at[rows, pl.ds(p * SUB_N, SUB_N)]
+        elif split:
+          dst = o_ref.at[sp, rows, pl.ds(col, SUB_N)]
+        else:
+          dst = o_ref.at[rows, pl.ds(col, SUB_N)]
+        y = acc.astype(o_ref.dtype)
+        in_range = gated or (p * (NUM_CONSUMERS * SUB_N) + w * SUB_N < n_pad)
+
+        @pl.when(in_range)
+        def _store():
+          if on_gpu:
+            _store_transposed_gpu(y, dst)
+          else:
+            dst[...] = y.T
+
+      for w in range(NUM_CONSUMERS):
+        pl.when(wg == w)(functools.partial(consumer, w))
+
+  if split:
+    out_type = jax.ShapeDtypeStruct((splits, rows_total, n_pad), jnp.float32)
+  else:
+    out_type = jax.ShapeDtypeStruct((rows_total, n_out), out_dtype)
+  kernel = plgpu.kernel(
+      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(num_blocks, tiles, splits),
+      grid_names=("b", "p", "s"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      # every SMEM hand-off is ordered by an mbarrier or commit_smem; no cross-warp reduction
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True, reduction_scratch_bytes=0),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      )
+  return jax.jit(kernel)
+
+
+def _splits(n_chunks: int, programs: int, target: int) -> int:
+  want = max(1, -(-target // max(programs, 1)))
+  s = min(want, n_chunks)
+  return -(-n_chunks // -(-n_chunks // s))
+
+
+def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
+  """x rows in block order [NB*bm, K_pad] bf16 (zero on padding rows and past K): TMA streams a block's tile."""
+  valid = row_token >= 0
+  xb = jnp.where(valid[:, None], jnp.take(x, jnp.maximum(row_token, 0), axis=0), 0).astype(jnp.bfloat16)
+  return jnp.pad(xb, ((0, 0), (0, k_pad - x.shape[1])))
+
+
+def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
+                   row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
+                   busy_blocks: int, interpret: bool = False, config: dict | None = None) -> jax.Array:
+  """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
+  rows of unused blocks are garbage, padding rows of used blocks finite. x rows are gathered (and K-padded) by XLA
+  into block order first; `weighted` multiplies the rows by row_weight after the kernel."""
+  cfg = dict(DEFAULT_CONFIG, **(config or {}))
+  if interpret:
+    gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)      # else interpret mode can deadlock (gpu_interpret.py)
+  if w.group_size not in layout.KERNEL_GROUP_SIZES:
+    raise ValueError(f"w4a16 mosaic_sm90 is built for group sizes {layout.KERNEL_GROUP_SIZES}, got {w.group_size}.")
+  n_chunks = w.k_pad // layout.CHUNK_K
+  nb = block_expert.shape[0]
+  if gated:
+    tiles = (w.n_pad // 2) // SUB_N
+  else:
+    tiles = -(-w.n_pad // (NUM_CONSUMERS * SUB_N))
+  splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
+  cps = -(-n_chunks // splits)
+  splits = -(-n_chunks // cps)
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
+  xb = block_rows(x, row_token, w.k_pad)
+  call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
+                      n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
+                      out_dtype=jnp.dtype(out_dtype), num_stages=stages,
+                      consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
+                      interpret=bool(interpret))
+  out = call(block_expert, xb, w.packed, w.scales, w.zeros)
+  if splits > 1:
+    out = out.sum(axis=0)
+    if gated:
+      n_out = w.n_pad // 2
+      out = jax.nn.silu(out[:, :n_out]) * out[:, n_out:]
+  if weighted:
+    out = out.astype(jnp.float32) * row_weight[:, None]
+  return out.astype(out_dtype)
+
+
+def _as_stack(w: layout.W4A16Weight) -> layout.W4A16Weight:
+  return layout.W4A16Weight(packed=w.packed[None], scales=w.scales[None], zeros=w.zeros[None], k=w.k, n=w.n,
+                            group_size=w.group_size)
+
+
+def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
+           out_dtype=None):
+  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 16 / 32 / 64 per block."""
+  m = x.shape[0]
+  block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+  nb = -(-m // block_m)
+  rows = jnp.arange(nb * block_m, dtype=jnp.int32)
+  row_token = jnp.where(rows < m, rows, -1)
+  y = grouped_matmul(x, _as_stack(w), jnp.zeros((nb,), jnp.int32), row_token, jnp.ones_like(rows, jnp.float32),
+                     block_m=block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype, busy_blocks=nb,
+                     interpret=interpret, config={**DENSE_CONFIG, **(config or {})})
+  return y[:m, :w.n]
+
+
+def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,
+        interpret: bool = False, config: dict | None = None):
+  """[T, D] float32: Σ_k w · down(silu(gate x) · up x). The router weights are applied in the combine (over T*K
+  rows of D), not on the [NB*block_m, D] kernel output."""
+  bm = routing_.block_m
+  h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
+                     gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
+                     config=config)
+  rows = jnp.arange(h.shape[0], dtype=jnp.int32)
+  row_self = jnp.where(routing_.row_token >= 0, rows, -1)
+  y = grouped_matmul(h, w2, routing_.block_expert, row_self, routing_.row_weight, block_m=bm, gated=False,
+                     weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks, interpret=interpret,
+                     config=config)
+  return weighted_combine(y[:, :w2.n], routing_)
+
+
+def weighted_combine(rows: jax.Array, routing_: routing.Routing) -> jax.Array:
+  """rows [NB*block_m, D] (not yet router-weighted) -> [T, D] float32: Σ_k w[t, k] rows[pair_row[t, k]]."""
+  pr = routing_.pair_row
+  got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
+  wts = jnp.take(routing_.row_weight, jnp.maximum(pr, 0))                   # [T, K]
+  got = jnp.where((pr >= 0)[..., None], got.astype(jnp.float32) * wts[..., None], 0.0)
+  return got.sum(axis=1)

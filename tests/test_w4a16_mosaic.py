@@ -1,0 +1,125 @@
+"""w4a16 backend mosaic_sm90 (pallas_kernels/w4a16/mosaic_sm90.py) without a GPU.
+
+1. The register layout the decode relies on (word (r, n) on the thread and register slot of A element (n, r)),
+   derived in NumPy from Mosaic's tiling and checked against the WGMMA layout's documented lane assignment.
+2. The GPU code path (register-A wgmma, inline-PTX decode, TMA, transposed stores) lowered for CUDA on this CPU
+   machine: Mosaic GPU builds the kernel module, running its layout / SMEM / wgmma checks, at lowering time.
+3. The kernel in GPU interpret mode (its documented fallback: jnp decode, A staged through SMEM) against the
+   float64 NumPy reference: dense (M = 1, 7, 64; G = 32, 64, 128; K split on / off) and the MoE (empty and
+   duplicated experts, NaN scales on unused experts). Interpret mode is slow on 2 cores: shapes are small.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import jax.experimental.mosaic.gpu as mgpu
+from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401  (registers the CUDA lowering)
+
+from pallas_kernels.w4a16 import api, layout, mosaic_sm90 as ms, routing
+from test_w4a16 import deq64, make_moe, max_rel, moe_ref64, rand_awq, to_device
+
+
+def test_register_owners_match_documented_wgmma_layout():
+  owners = ms.register_owners(mgpu.WGMMA_LAYOUT, (64, 32))
+  assert len(owners) == 64 * 32
+  for (warp, lane, _reg, vec), (row, col) in owners.items():
+    assert warp == row // 16 and lane == 4 * (row % 8) + (col % 8) // 2 and vec == col % 2
+
+
+def test_words_layout_is_the_transposed_a_operand():
+  m = ms.words_register_map()
+  # every A register (8 of them: [64, 32] bf16 over 128 threads, 2 per register) gets exactly two words
+  fed = {}
+  for widx, (aidx, e) in m.items():
+    fed.setdefault(aidx, set()).add(e)
+  assert len(fed) == int(np.prod(mgpu.WGMMA_LAYOUT.registers_shape((64, 32)))) == 8
+  assert all(v == {0, 1} for v in fed.values())
+  words = ms.register_owners(ms.WORDS_LAYOUT.to_mgpu(), (32, 64))
+  a = ms.register_owners(mgpu.WGMMA_LAYOUT, (64, 32))
+  for (warp, lane, reg, _), (r, n) in words.items():
+    aidx, e = m[reg]
+    assert tuple(a[(warp, lane, aidx, e)]) == (n, r)
+
+
+def lower_for_cuda(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("m,g,splits", [(1, 64, 1), (7, 128, 2), (64, 32, 1)])
+def test_dense_kernel_lowers_for_sm90(m, g, splits):
+  rng = np.random.default_rng(m)
+  w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
+  x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits)), x, w)
+  assert "mosaic_gpu" in text
+  for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
+    assert needle in text, needle
+
+
+def test_moe_lowers_for_sm90():
+  rng = np.random.default_rng(5)
+  *_, w13, w2 = make_moe(rng, 4, 512, 128, 64)
+  x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((5, 2), jnp.int32)
+  wts = jax.ShapeDtypeStruct((5, 2), jnp.float32)
+  # the backend module directly (the api's rule refuses mosaic_sm90 on a CPU without interpret mode)
+  fn = lambda x, i, t, a, b: ms.moe(x, routing.align(i, t, 4, 16), a, b, busy_blocks=8)
+  text = lower_for_cuda(fn, x, ids, wts, w13, w2)
+  assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
+
+
+@pytest.mark.parametrize("m,k,n,g,splits", [(1, 512, 192, 64, 1), (7, 768, 128, 128, 3), (64, 256, 64, 32, 1)])
+def test_dense_interpret_vs_float64(m, k, n, g, splits):
+  rng = np.random.default_rng(100 + m)
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
+                                            config=dict(splits=splits)))(x, w)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  # bf16-rounded (q - z) s in the products and a bf16 output, as the xla path
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+
+
+def test_moe_interpret_vs_float64_with_edge_cases():
+  rng = np.random.default_rng(21)
+  e, d, i, g, t, k = 6, 256, 128, 64, 5, 3
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(3, k, replace=False) for _ in range(t)]).astype(np.int32)   # experts 3..5 unused
+  ids[0] = [1, 1, 7]                       # a duplicated expert and an out-of-range (dropped) id
+  poison = lambda w: layout.W4A16Weight(packed=w.packed, scales=w.scales.at[3:].set(jnp.nan), zeros=w.zeros,
+                                         k=w.k, n=w.n, group_size=w.group_size)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), poison(w13), poison(w2), backend="mosaic_sm90",
+                    interpret=True)
+  assert y.shape == (t, d)
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
+def test_backend_rules_for_mosaic():
+  with pytest.raises(ValueError, match="bfloat16 activations"):
+    api.resolve_backend("mosaic_sm90", jnp.float32, interpret=True)
+  with pytest.raises(ValueError, match="group sizes"):
+    api.resolve_backend("mosaic_sm90", jnp.bfloat16, interpret=True, group_size=16)
+  assert api.resolve_backend("mosaic_sm90", jnp.bfloat16, interpret=True)[0] == "mosaic_sm90"
+  if jax.devices()[0].platform == "cpu":
+    with pytest.raises(ValueError, match="compute capability 9.x"):
+      api.resolve_backend("mosaic_sm90", jnp.bfloat16)
+  # auto never picks it (unmeasured)
+  assert api.resolve_backend("auto", jnp.bfloat16, interpret=True)[0] == "triton"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_moe_interpret_gated_k_split(splits):
+  """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
+  192 is not a multiple of the 128-column tile of the down projection."""
+  rng = np.random.default_rng(3)
+  e, d, i, g, t, k = 4, 512, 192, 64, 4, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
+                    config=dict(splits=splits))
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2

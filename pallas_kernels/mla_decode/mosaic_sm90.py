@@ -41,7 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -248,15 +248,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
-    begin = sched_ref[0, part]               # sched rows: begin, end, b_first, b_last (split_kv.schedule_kernel)
-    end = sched_ref[1, part]
-    b_first = sched_ref[2, part]
-    b_last = sched_ref[3, part]
-
-    def seq_pages(b):
-      cb = cu_ref[b]
-      cb1 = cu_ref[b + 1]
-      return jnp.maximum(begin, cb) - cb, jnp.minimum(end, cb1) - cb
+    b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
     def dequant(slot, w, n_valid):
       """Warpgroup w's half of the page: fp8 [64, 128] tiles t = 2w, 2w+1 of the ring slot -> f16 * scale[:, t]
@@ -285,35 +277,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     # -------- warpgroup 2: the page producer --------
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def seg(b, ctr):
-        lo, hi = seq_pages(b)
-
-        def page(j, c):
-          slot = lax.rem(c, stages)
-
-          @pl.when(c >= stages)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-          pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
-          for w in range(2):
-            plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
-                                    loaded.at[slot])
-          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
-          if fp8:
-            plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
-          return c + 1
-
-        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
-
-      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
-      # observe the release of the last pages too, so no barrier phase is left pending at exit
-      for i in range(stages):
-        @pl.when(done + i >= stages)
-        def _():
-          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
+      produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
+                    rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
+                    ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
+                    half=HALF)
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
@@ -511,6 +478,24 @@ def _check_schedule(schedule, batch: int, num_parts: int):
   return cu, sched, payload
 
 
+def _rows_and_schedule(q, block_table, seq_lens, *, rows_per_cta: int, groups: int, num_parts: int, schedule,
+                       interpret):
+  """Q as [B*G, rows_per_cta, 576] (row b*G + g: sequence b, row group g; rows past Sq*H are zero queries whose
+  outputs are dropped), the clipped lengths and the split-KV schedule (computed here, or checked if given)."""
+  batch, sq, heads, _ = q.shape
+  rows_padded = rows_per_cta * groups
+  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
+  if rows_padded != sq * heads:
+    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - sq * heads), (0, 0)))
+  qf = qf.reshape(batch * groups, rows_per_cta, LATENT_DIM + ROPE_DIM)
+  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_table.shape[1] * PAGE)
+  if schedule is None:
+    cu, sched, payload = schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
+  else:
+    cu, sched, payload = _check_schedule(schedule, batch, num_parts)
+  return qf, lens, cu, sched, payload
+
+
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
                      interpret, num_parts, num_stages, schedule):
   """mla_decode through the rows kernel (mosaic_sm90_rows.py): 64 query rows per CTA, bf16 or fp8 cache."""
@@ -518,17 +503,9 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   fp8 = cache.dtype == "fp8_e4m3"
   plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
                                     fp8=fp8)
-  rows_padded = mosaic_sm90_rows.ROWS * plan.groups
-  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
-  if rows_padded != plan.rows:
-    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))     # zero queries, dropped below
-  qf = qf.reshape(batch * plan.groups, mosaic_sm90_rows.ROWS, LATENT_DIM + ROPE_DIM)   # row b*G + g
-  max_pages = block_table.shape[1]
-  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  if schedule is None:
-    cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
-  else:
-    cu, sched, payload = _check_schedule(schedule, batch, plan.num_parts)
+  qf, lens, cu, sched, payload = _rows_and_schedule(q, block_table, seq_lens, rows_per_cta=mosaic_sm90_rows.ROWS,
+                                                    groups=plan.groups, num_parts=plan.num_parts,
+                                                    schedule=schedule, interpret=interpret)
   call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
@@ -573,19 +550,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule)
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p)
-  rows_padded = plan.n * plan.groups
-  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
-  if rows_padded != plan.rows:
-    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - plan.rows), (0, 0)))
-  qf = qf.reshape(batch * plan.groups, plan.n, LATENT_DIM + ROPE_DIM)    # row b*G + g: sequence b, head group g
+  qf, lens, cu, sched, payload = _rows_and_schedule(q, block_table, seq_lens, rows_per_cta=plan.n,
+                                                    groups=plan.groups, num_parts=plan.num_parts,
+                                                    schedule=schedule, interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and rope columns straight from these
   q_nope = qf[..., :LATENT_DIM].astype(jnp.float16) if fp8 else qf
-  max_pages = block_table.shape[1]
-  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  if schedule is None:
-    cu, sched, payload = schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret))
-  else:
-    cu, sched, payload = _check_schedule(schedule, batch, plan.num_parts)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())

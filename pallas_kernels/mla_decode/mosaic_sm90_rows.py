@@ -49,7 +49,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_layouts import dequant_layout, scale_layout
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -180,47 +180,15 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
-    begin = sched_ref[0, part]            # sched rows: begin, end, b_first, b_last (split_kv.schedule_kernel)
-    end = sched_ref[1, part]
-    b_first = sched_ref[2, part]
-    b_last = sched_ref[3, part]
-
-    def seq_pages(b):
-      cb = cu_ref[b]
-      cb1 = cu_ref[b + 1]
-      return jnp.maximum(begin, cb) - cb, jnp.minimum(end, cb1) - cb
+    b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
     # -------- warpgroup 2: the page producer (as in mosaic_sm90) --------
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def seg(b, ctr):
-        lo, hi = seq_pages(b)
-
-        def page(j, c):
-          slot = lax.rem(c, stages)
-
-          @pl.when(c >= stages)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
-
-          pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)   # a bad entry must not fault (the api NaNs its row)
-          for w in range(2):
-            plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(w * HALF, HALF)], ring_lat.at[slot, w],
-                                    loaded.at[slot])
-          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
-          if fp8:
-            plgpu.copy_gmem_to_smem(sc_ref.at[pg], ring_sc.at[slot], loaded.at[slot])
-          return c + 1
-
-        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, ctr)
-
-      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
-      for i in range(stages):             # observe the release of the last pages: no phase left pending
-        @pl.when(done + i >= stages)
-        def _():
-          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
+      produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
+                    rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
+                    ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
+                    half=HALF)
 
     # -------- warpgroups 0, 1: scores of tokens [32 w, 32 w + 32), softmax, P.V for columns [256 w, +256) ----
     def compute(w: int):

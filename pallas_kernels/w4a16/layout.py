@@ -138,6 +138,12 @@ def pack_gate_up(gate, up, group_size: int, xp=jnp) -> W4A16Weight:
                      zeros=cat(wg.zeros, wu.zeros), k=wg.k, n=2 * wg.n_pad, group_size=int(group_size))
 
 
+def as_stack(w: W4A16Weight) -> W4A16Weight:
+  """One weight as a stack of one ([1, ...]): how the grouped kernels take a dense linear (every block on expert 0)."""
+  return W4A16Weight(packed=w.packed[None], scales=w.scales[None], zeros=w.zeros[None], k=w.k, n=w.n,
+                     group_size=w.group_size)
+
+
 def unpack(w: W4A16Weight):
   """W4A16Weight -> (q int32 [..., K, N], z int32 [..., K/G, N], s float16 [..., K/G, N]) (jnp; tests and the
   reference)."""

@@ -76,6 +76,17 @@ def align(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int, block_
                  pair_row=pair_row.reshape(t, k).astype(jnp.int32), block_m=int(block_m))
 
 
+def dense_blocks(m: int) -> Routing:
+  """The row blocks of a dense matmul of M rows for the grouped kernels: one "expert" (0), blocks of 16 / 32 / 64
+  rows (the smallest that holds M, up to 64), rows past M padding. pair_row is the identity [M, 1]."""
+  block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+  nb = -(-m // block_m)
+  rows = jnp.arange(nb * block_m, dtype=jnp.int32)
+  return Routing(block_expert=jnp.zeros((nb,), jnp.int32), row_token=jnp.where(rows < m, rows, -1),
+                 row_weight=jnp.ones((nb * block_m,), jnp.float32),
+                 pair_row=jnp.arange(m, dtype=jnp.int32)[:, None], block_m=block_m)
+
+
 def combine(rows: jax.Array, routing: Routing) -> jax.Array:
   """rows [NB*block_m, D] (already router-weighted) -> [T, D]: the sum over each token's k pairs, in float32."""
   pr = routing.pair_row                                        # [T, K]

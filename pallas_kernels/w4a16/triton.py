@@ -43,7 +43,7 @@ with warnings.catch_warnings():
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.w4a16 import layout
+from pallas_kernels.w4a16 import layout, routing
 
 _MAGIC = 128.0                 # (nibble | 0x4300) as bf16 == 128 + nibble
 _MAGIC_BITS = 0x4300
@@ -216,22 +216,15 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   return out.astype(out_dtype)
 
 
-def _as_stack(w: layout.W4A16Weight) -> layout.W4A16Weight:
-  return layout.W4A16Weight(packed=w.packed[None], scales=w.scales[None], zeros=w.zeros[None], k=w.k, n=w.n,
-                            group_size=w.group_size)
-
-
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16)."""
   m = x.shape[0]
-  block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-  nb = -(-m // block_m)
-  rows = jnp.arange(nb * block_m, dtype=jnp.int32)
-  row_token = jnp.where(rows < m, rows, -1)
-  y = grouped_matmul(x, _as_stack(w), jnp.zeros((nb,), jnp.int32), row_token, jnp.ones_like(rows, jnp.float32),
-                     block_m=block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype, busy_blocks=nb,
-                     interpret=interpret, config={**DENSE_CONFIG, **(config or {})})
+  blocks = routing.dense_blocks(m)
+  y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
+                     block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
+                     busy_blocks=blocks.num_blocks, interpret=interpret,
+                     config={**DENSE_CONFIG, **(config or {})})
   return y[:m, :w.n]
 
 

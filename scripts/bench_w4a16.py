@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.testing import copy_ceiling_gbps, time_calls
-from pallas_kernels.w4a16 import api, layout, mosaic_sm90, routing, triton
+from pallas_kernels.w4a16 import api, layout, routing
 
-KERNEL_MODULES = dict(triton=triton, mosaic_sm90=mosaic_sm90)
 
 DENSE_SHAPES = ((7168, 18432), (18432, 7168), (7168, 24576), (16384, 7168))
 MOE = dict(experts=256, hidden=7168, inter=2048, top_k=8)
@@ -84,7 +83,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
       bm = api.default_block_m(t, k, e)
       rts = [routing.align(s[1], s[2], e, bm) for s in sets]
       busy = min(rts[0].num_blocks, e, t * k)
-      kmod = KERNEL_MODULES[backend]
+      kmod = api.KERNEL_BACKENDS[backend]
       f_kern = jax.jit(lambda x, rt, w13, w2: kmod.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
       t_kern = time_calls(f_kern, [(s[0], rt, w13, w2) for s, rt in zip(sets, rts)], max_calls=500)
       t_xla = None
@@ -149,9 +148,9 @@ def main(argv=None):
   ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
   args = ap.parse_args(argv)
   backends = [b for b in args.backends.split(",") if b]
-  unknown = [b for b in backends if b not in KERNEL_MODULES]
+  unknown = [b for b in backends if b not in api.KERNEL_BACKENDS]
   if unknown:
-    raise SystemExit(f"--backends: unknown {unknown}; choose from {sorted(KERNEL_MODULES)}")
+    raise SystemExit(f"--backends: unknown {unknown}; choose from {sorted(api.KERNEL_BACKENDS)}")
   commit = args.commit
   if commit is None:
     try:

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
   if argv and argv[0] in ("--child", "--child-cprofile"):
     child(argv[1:], cprofile=argv[0] == "--child-cprofile")
     return 0
-  own, _, generate_argv = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv else (
-      argv, None, [])
+  cut = argv.index("--") if "--" in argv else len(argv)
+  own, generate_argv = argv[:cut], argv[cut + 1:]
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--runs", type=int, default=2)
   ap.add_argument("--cache-dir", default=None, help="compilation cache directory (default: a new temporary one)")

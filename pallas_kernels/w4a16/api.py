@@ -34,6 +34,7 @@ logger = logging.getLogger("pallas_kernels")
 
 BACKEND_NAMES = ("auto", "triton", "xla", "mosaic_sm90")
 _logged: set = set()
+KERNEL_BACKENDS = {"triton": triton, "mosaic_sm90": mosaic_sm90}   # backend name -> kernel module
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -55,28 +56,23 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   where = (f"{device.device_kind} (compute capability {cc[0]}.{cc[1]})" if cc else f"{device.platform} device")
   bf16 = jnp.dtype(x_dtype) == jnp.bfloat16
   kernel_group = group_size is None or group_size in layout.KERNEL_GROUP_SIZES
-  if requested == "mosaic_sm90":
-    if not bf16:
-      raise ValueError(f"w4a16 backend 'mosaic_sm90' takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x "
-                       f"to bfloat16 or use backend='xla'.")
-    if not kernel_group:
-      raise ValueError(f"w4a16 backend 'mosaic_sm90' is built for group sizes {layout.KERNEL_GROUP_SIZES}, got "
-                       f"{group_size}; use backend='xla' for this weight.")
-    hopper = device.platform == "gpu" and cc is not None and cc[0] == 9
-    if not (interpret or hopper):
-      raise ValueError(f"w4a16 backend 'mosaic_sm90' needs a Hopper GPU (CUDA compute capability 9.x) or "
-                       f"interpret=True; this is a {where}. backend='triton' runs on compute capability >= 8.0, "
-                       f"backend='xla' anywhere.")
-    return "mosaic_sm90", "requested"
   if requested == "xla":
     return "xla", "requested"
-  if requested == "triton":
+  # a kernel backend by name: the inputs both kernels need, then the device each needs
+  if requested in KERNEL_BACKENDS:
     if not bf16:
-      raise ValueError(f"w4a16 backend 'triton' takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x to "
-                       f"bfloat16 or use backend='xla'.")
+      raise ValueError(f"w4a16 backend {requested!r} takes bfloat16 activations, got {jnp.dtype(x_dtype)}; cast x "
+                       f"to bfloat16 or use backend='xla'.")
     if not kernel_group:
-      raise ValueError(f"w4a16 backend 'triton' is built for group sizes {layout.KERNEL_GROUP_SIZES}, got "
+      raise ValueError(f"w4a16 backend {requested!r} is built for group sizes {layout.KERNEL_GROUP_SIZES}, got "
                        f"{group_size}; use backend='xla' for this weight.")
+    if requested == "mosaic_sm90":
+      hopper = device.platform == "gpu" and cc is not None and cc[0] == 9
+      if not (interpret or hopper):
+        raise ValueError(f"w4a16 backend 'mosaic_sm90' needs a Hopper GPU (CUDA compute capability 9.x) or "
+                         f"interpret=True; this is a {where}. backend='triton' runs on compute capability >= 8.0, "
+                         f"backend='xla' anywhere.")
+      return "mosaic_sm90", "requested"
     if not (interpret or on_gpu):
       raise ValueError(f"w4a16 backend 'triton' needs a CUDA GPU of compute capability >= 8.0 or interpret=True; "
                        f"this is a {where}. backend='xla' runs here.")
@@ -118,9 +114,7 @@ def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "au
   name = _choose(backend, x.dtype, interpret, weight.group_size)
   if name == "xla":
     return reference.matmul(x, weight, out_dtype=out_dtype)
-  if name == "mosaic_sm90":
-    return mosaic_sm90.matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
-  return triton.matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
+  return KERNEL_BACKENDS[name].matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
 
 
 def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:

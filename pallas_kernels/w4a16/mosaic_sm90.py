@@ -64,7 +64,8 @@ DENSE_CONFIG = dict(target_programs=1056)
 # vector element r % 2) holds word (r, n). Vector length 1 along n: the SMEM tile is r-major, so r pairs are two
 # 32-bit loads (conflict-free on the 128-byte swizzled tile).
 _WORDS_TILING = ((8, 64), (8, 16), (8, 8), (2, 1))
-WORDS_LAYOUT = plgpu.Layout.TILED(mgpu.fragmented_array.Tiling(_WORDS_TILING), warp_dims=(-7,), lane_dims=(-3, -4), vector_dim=-1)
+WORDS_LAYOUT = plgpu.Layout.TILED(mgpu.fragmented_array.Tiling(_WORDS_TILING), warp_dims=(-7,), lane_dims=(-3, -4),
+                                 vector_dim=-1)
 _W_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))       # int32 rows of 128 bytes
 _X_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))        # bf16 [bm, 32] plane = one tile column
 _ROW = plgpu.Layout.WGMMA.reduce(1)         # [64] per A row (weight column): each thread's two rows
@@ -347,12 +348,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   return jax.jit(kernel)
 
 
-def _splits(n_chunks: int, programs: int, target: int) -> int:
-  want = max(1, -(-target // max(programs, 1)))
-  s = min(want, n_chunks)
-  return -(-n_chunks // -(-n_chunks // s))
-
-
 def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
   """x rows in block order [NB*bm, K_pad] bf16 (zero on padding rows and past K): TMA streams a block's tile."""
   valid = row_token >= 0
@@ -377,7 +372,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
     tiles = (w.n_pad // 2) // SUB_N
   else:
     tiles = -(-w.n_pad // (NUM_CONSUMERS * SUB_N))
-  splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
+  splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
@@ -401,13 +396,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 16 / 32 / 64 per block."""
-  m = x.shape[0]
-  blocks = routing.dense_blocks(m)
-  y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
-                     block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
-                     busy_blocks=blocks.num_blocks, interpret=interpret,
-                     config={**DENSE_CONFIG, **(config or {})})
-  return y[:m, :w.n]
+  return routing.dense_matmul(grouped_matmul, x, w, config={**DENSE_CONFIG, **(config or {})},
+                              interpret=interpret, out_dtype=out_dtype)
 
 
 def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,
@@ -418,18 +408,8 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
                      config=config)
-  rows = jnp.arange(h.shape[0], dtype=jnp.int32)
-  row_self = jnp.where(routing_.row_token >= 0, rows, -1)
+  row_self = routing.in_place_rows(routing_)
   y = grouped_matmul(h, w2, routing_.block_expert, row_self, routing_.row_weight, block_m=bm, gated=False,
                      weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks, interpret=interpret,
                      config=config)
-  return weighted_combine(y[:, :w2.n], routing_)
-
-
-def weighted_combine(rows: jax.Array, routing_: routing.Routing) -> jax.Array:
-  """rows [NB*block_m, D] (not yet router-weighted) -> [T, D] float32: Σ_k w[t, k] rows[pair_row[t, k]]."""
-  pr = routing_.pair_row
-  got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
-  wts = jnp.take(routing_.row_weight, jnp.maximum(pr, 0))                   # [T, K]
-  got = jnp.where((pr >= 0)[..., None], got.astype(jnp.float32) * wts[..., None], 0.0)
-  return got.sum(axis=1)
+  return routing.combine(y[:, :w2.n], routing_, apply_weights=True)

@@ -19,6 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.w4a16 import layout
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +89,42 @@ def dense_blocks(m: int) -> Routing:
                  pair_row=jnp.arange(m, dtype=jnp.int32)[:, None], block_m=block_m)
 
 
-def combine(rows: jax.Array, routing: Routing) -> jax.Array:
-  """rows [NB*block_m, D] (already router-weighted) -> [T, D]: the sum over each token's k pairs, in float32."""
+def in_place_rows(routing: Routing) -> jax.Array:
+  """row_token for a second grouped matmul that reads the first one's output rows where they are: row r is
+  output row r (valid where the first call's row_token >= 0), -1 on padding rows."""
+  rows = jnp.arange(routing.row_token.shape[0], dtype=jnp.int32)
+  return jnp.where(routing.row_token >= 0, rows, -1)
+
+
+def k_splits(n_chunks: int, programs: int, target: int) -> int:
+  """K splits so that about `target` programs run (never more splits than chunks), as few as give the same
+  chunks per split."""
+  want = max(1, -(-target // max(programs, 1)))
+  s = min(want, n_chunks)
+  return -(-n_chunks // -(-n_chunks // s))
+
+
+def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config: dict, interpret: bool,
+                 out_dtype) -> jax.Array:
+  """x [M, K] @ W [K, N] through a grouped kernel (triton.grouped_matmul or mosaic_sm90.grouped_matmul): W as a
+  one-expert stack, M rows in dense_blocks."""
+  m = x.shape[0]
+  blocks = dense_blocks(m)
+  y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
+                     block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
+                     busy_blocks=blocks.num_blocks, interpret=interpret, config=config)
+  return y[:m, :w.n]
+
+
+def combine(rows: jax.Array, routing: Routing, *, apply_weights: bool = False) -> jax.Array:
+  """rows [NB*block_m, D] -> [T, D]: the sum over each token's k pairs, in float32. apply_weights: multiply each
+  row by its router weight here (for kernels that did not weight their rows)."""
   pr = routing.pair_row                                        # [T, K]
   got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
-  got = jnp.where((pr >= 0)[..., None], got.astype(jnp.float32), 0.0)   # dropped pairs: never read a row
+  got = got.astype(jnp.float32)
+  if apply_weights:
+    got = got * jnp.take(routing.row_weight, jnp.maximum(pr, 0))[..., None]
+  got = jnp.where((pr >= 0)[..., None], got, 0.0)              # dropped pairs: never read a row
   return got.sum(axis=1)
 
 

@@ -153,13 +153,6 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
     pltriton.store(o_ref.at[out_rows, pl.ds(p * block_n, block_n)], y.astype(o_ref.dtype), mask=valid[:, None])
 
 
-def _splits(n_chunks: int, programs: int, target: int) -> int:
-  """K splits so that about `target` programs run (never more splits than chunks)."""
-  want = max(1, -(-target // max(programs, 1)))
-  s = min(want, n_chunks)
-  return -(-n_chunks // -(-n_chunks // s))        # same chunks per split, fewest splits
-
-
 @functools.lru_cache(maxsize=None)
 def _kernel_call(*, grid, out_rows: int, n_pad: int, out_dtype, num_warps: int, num_stages: int, interpret: bool,
                  **static):
@@ -198,7 +191,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   n_chunks = w.k_pad // layout.CHUNK_K
   nb = block_expert.shape[0]
   tiles = n_out // block_n
-  splits = cfg.get("splits") or _splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
+  splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   split = splits > 1
   call = _kernel_call(block_m=block_m, block_n=block_n, group=w.group_size, k=w.k, n_chunks=n_chunks,
@@ -219,13 +212,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16)."""
-  m = x.shape[0]
-  blocks = routing.dense_blocks(m)
-  y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
-                     block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
-                     busy_blocks=blocks.num_blocks, interpret=interpret,
-                     config={**DENSE_CONFIG, **(config or {})})
-  return y[:m, :w.n]
+  return routing.dense_matmul(grouped_matmul, x, w, config={**DENSE_CONFIG, **(config or {})},
+                              interpret=interpret, out_dtype=out_dtype)
 
 
 def moe(x, routing_, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,
@@ -237,8 +225,7 @@ def moe(x, routing_, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_bl
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
                      config=config)
   # The down projection reads h's rows in place: row r of block b is h[r] (valid where row_token >= 0).
-  rows = jnp.arange(h.shape[0], dtype=jnp.int32)
-  row_self = jnp.where(routing_.row_token >= 0, rows, -1)
+  row_self = routing.in_place_rows(routing_)
   y = grouped_matmul(h, w2, routing_.block_expert, row_self, routing_.row_weight, block_m=bm, gated=False,
                      weighted=True, out_dtype=jnp.float32, busy_blocks=busy_blocks, interpret=interpret,
                      config=config)

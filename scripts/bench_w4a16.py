@@ -115,8 +115,10 @@ def bench_routing(rows, ts):
     print(rows[-1], flush=True)
 
 
-def check_exact_small(rows):
-  """Float64 NumPy reference on a small odd shape, on the GPU kernel (catches layout/decode errors)."""
+def check_exact_small(rows, backends=("triton",), probe_dir=None):
+  """Float64 NumPy reference on a small odd shape, on each GPU kernel (catches layout/decode errors). A backend
+  that fails it also gets a decode probe: x = identity, scales 1, zeros 0, so its output is the weight matrix the
+  kernel decoded; q and that matrix go to probe_dir/w4a16_probe_<backend>.npz for reading offline."""
   rng = np.random.default_rng(0)
   k, n, g, m = 256, 200, 64, 7
   q, z = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (k // g, n))
@@ -126,11 +128,28 @@ def check_exact_small(rows):
   xb = jnp.asarray(x, jnp.bfloat16)
   wd = (q - np.repeat(z, g, 0)) * np.repeat(s.astype(np.float64), g, 0)
   ref = np.asarray(xb, np.float64) @ wd
-  for decode in ("ptx", "jnp"):
-    y = api.w4a16_matmul(xb, w, backend="triton", config=dict(decode=decode))
-    err = float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
-    rows.append(dict(op="check_f64", decode=decode, m=m, k=k, n=n, max_err_rel_to_max=err, ok=err < 8e-3))
-    print(rows[-1], flush=True)
+  variants = [(b, dict(decode=d)) for b in backends if b == "triton" for d in ("ptx", "jnp")]
+  variants += [(b, None) for b in backends if b != "triton"]
+  for backend, cfg in variants:
+    row = dict(op="check_f64", backend=backend, decode=(cfg or {}).get("decode", "-"), m=m, k=k, n=n)
+    try:
+      y = api.w4a16_matmul(xb, w, backend=backend, config=cfg)
+      err = float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
+      row.update(max_err_rel_to_max=err, ok=err < 8e-3)
+    except Exception as e:  # noqa: BLE001 - a kernel that does not build is a result to record
+      row.update(max_err_rel_to_max=None, ok=False, error=f"{type(e).__name__}: {str(e)[-3000:]}")
+    if not row["ok"] and probe_dir and "error" not in row:
+      eye = jnp.eye(k, dtype=jnp.bfloat16)
+      ones = np.ones((k // g, n), np.float16)
+      w1 = jax.tree.map(jnp.asarray, layout.pack(q, np.zeros_like(z), ones, g, xp=np))
+      decoded = np.asarray(api.w4a16_matmul(eye, w1, backend=backend, config=cfg), np.float32)
+      os.makedirs(probe_dir, exist_ok=True)
+      path = os.path.join(probe_dir, f"w4a16_probe_{backend}.npz")
+      np.savez(path, q=q, decoded=decoded)
+      row.update(probe=path, probe_match=float(np.mean(decoded == q)))
+    rows.append(row)
+    print(row, flush=True)
+  return {r["backend"] for r in rows if r["op"] == "check_f64" and "error" in r}
 
 
 def main(argv=None):
@@ -143,6 +162,7 @@ def main(argv=None):
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
   ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
   ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep")
+  ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
   ap.add_argument("--backends", default="triton",
                   help="comma-separated kernel backends to time, e.g. triton,mosaic_sm90 (mosaic_sm90: Hopper only)")
   ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
@@ -169,7 +189,8 @@ def main(argv=None):
   ceiling = copy_ceiling_gbps()
   result["copy_gbps"] = ceiling
   print(f"copy ceiling {ceiling:.0f} GB/s", flush=True)
-  check_exact_small(rows)
+  checked = sorted(set(backends) | ({args.sweep_backend} if args.sweep else set()))
+  broken = check_exact_small(rows, checked, probe_dir=os.path.dirname(os.path.abspath(args.out)))
   save()
   if args.sweep:
     configs = (json.loads(args.sweep_configs) if args.sweep_configs else
@@ -177,23 +198,39 @@ def main(argv=None):
                 dict(block_n=64, num_warps=8), dict(num_stages=1), dict(block_n=256, num_warps=2)])
     sweep_ts = tuple(int(t) for t in args.sweep_ts.split(","))
     for cfg in configs:
+      if args.sweep_backend in broken:
+        break
       sweep_rows = []
-      bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1])
-      bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
-                  check=False)
+      try:
+        bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1],
+                  backend=args.sweep_backend)
+        bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
+                    check=False, backend=args.sweep_backend)
+      except Exception as e:  # noqa: BLE001 - a config that does not build is a result
+        sweep_rows.append(dict(op="error", backend=args.sweep_backend, config=cfg,
+                               error=f"{type(e).__name__}: {str(e)[-3000:]}"))
+        print(sweep_rows[-1], flush=True)
       for r in sweep_rows:
         r["sweep"] = True
       rows.extend(sweep_rows)
       save()
   for backend in backends:
-    if "moe" in args.ops:
-      moe_ts = (1, 16, 64) if args.quick else (1, 16, 64, 128, 256)
-      bench_moe(rows, ceiling, moe_ts, (64,) if args.quick else (64, 128),
-                xla_ts=(1, 64) if backend == backends[0] else (),
-                check_ts=(16,) if backend == "triton" else moe_ts, backend=backend)
-      save()
-    if "dense" in args.ops:
-      bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick, backend=backend)
+    if backend in broken:
+      print(f"skipping {backend}: it did not build (check_f64 row)", flush=True)
+      continue
+    try:
+      if "moe" in args.ops:
+        moe_ts = (1, 16, 64) if args.quick else (1, 16, 64, 128, 256)
+        bench_moe(rows, ceiling, moe_ts, (64,) if args.quick else (64, 128),
+                  xla_ts=(1, 64) if backend == backends[0] else (),
+                  check_ts=(16,) if backend == "triton" else moe_ts, backend=backend)
+        save()
+      if "dense" in args.ops:
+        bench_dense(rows, ceiling, (1, 16, 64, 128), args.quick, backend=backend)
+        save()
+    except Exception as e:  # noqa: BLE001 - record it and go on to the next backend
+      rows.append(dict(op="error", backend=backend, error=f"{type(e).__name__}: {str(e)[-3000:]}"))
+      print(rows[-1], flush=True)
       save()
   if "routing" in args.ops:
     bench_routing(rows, (1, 16, 64, 256))
@@ -203,7 +240,12 @@ def main(argv=None):
   print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8} {'kern us':>8}")
   for r in rows:
     if r["op"] == "check_f64":
-      print(f"check  decode={r['decode']:4} max err {r['max_err_rel_to_max']:.2e} ok={r['ok']}")
+      err = "did not build" if r.get("error") else f"max err {r['max_err_rel_to_max']:.2e}"
+      probe = f" probe match {r['probe_match']:.3f}" if "probe_match" in r else ""
+      print(f"check  {r['backend']:12} decode={r['decode']:4} {err} ok={r['ok']}{probe}")
+      continue
+    if r["op"] == "error":
+      print(f"error  {r['backend']}: {r['error'][:200]}")
       continue
     if r["op"] == "routing":
       print(f"routing T{r['t']} block_m {r['block_m']}: align {r['align_us']:.1f} us, combine {r['combine_us']:.1f} us")

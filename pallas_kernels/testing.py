@@ -110,6 +110,32 @@ def time_calls(fn, arg_sets, *, min_batch_s=0.05, batches=5, max_calls=2000) -> 
   return statistics.median(samples)
 
 
+def device_time(fn, *args, iters: int = 20) -> dict:
+  """Median device time of fn(*args) (jitted; warmed up here).
+
+  CUPTI (jax.experimental.mosaic.gpu.profiler.measure) gives per-kernel times: 'us' is the median total over
+  iterations, 'kernels' the median of each kernel. Without CUPTI: wall clock over `iters` back-to-back calls.
+  """
+  jax.block_until_ready(fn(*args))
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    if not runs:
+      raise RuntimeError("no kernels recorded")
+    totals = [sum(t for _, t in run) for run in runs]
+    names = [name for name, _ in runs[0]]
+    per_kernel = {}
+    for i, name in enumerate(names):
+      per_kernel[f"{i}:{name[:60]}"] = statistics.median(run[i][1] for run in runs if len(run) == len(names)) * 1e3
+    return dict(us=statistics.median(totals) * 1e3, method="cupti", kernels=per_kernel)
+  except Exception as e:  # noqa: BLE001 - CUPTI unavailable: fall back to the wall clock
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    return dict(us=(time.perf_counter() - t0) / iters * 1e6, method=f"wallclock ({type(e).__name__}: {e})"[:200])
+
+
 def copy_ceiling_gbps(nbytes=2 << 30) -> float:
   """Device copy bandwidth: y = x + 1 on a 2 GiB int32 buffer counts 2 * nbytes moved."""
   xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.testing import copy_ceiling_gbps, time_calls
+from pallas_kernels.testing import copy_ceiling_gbps, device_time, time_calls
 from pallas_kernels.w4a16 import api, layout, routing
 
 
@@ -54,8 +54,10 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="trit
       t_tri = time_calls(f_tri, [(x, w) for x in xs], max_calls=500)
       t_xla = time_calls(f_xla, [(x, w) for x in xs], max_calls=500)
       t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs], max_calls=500)
+      dev = device_time(f_tri, xs[0], w)
       nbytes = w.nbytes() + 2 * m * (k + n)
-      rows.append(dict(op="dense", backend=backend, k=k, n=n, m=m, group=64, us=t_tri * 1e6, xla_us=t_xla * 1e6,
+      rows.append(dict(op="dense", backend=backend, k=k, n=n, m=m, group=64, us=t_tri * 1e6,
+                       device_us=dev["us"], kernels=dev.get("kernels"), xla_us=t_xla * 1e6,
                        bf16_dot_us=t_bf16 * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, rel_err_vs_xla=err, config=config))
       print(rows[-1], flush=True)
@@ -86,6 +88,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
       kmod = api.KERNEL_BACKENDS[backend]
       f_kern = jax.jit(lambda x, rt, w13, w2: kmod.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
       t_kern = time_calls(f_kern, [(s[0], rt, w13, w2) for s, rt in zip(sets, rts)], max_calls=500)
+      dev = device_time(f_tri, *sets[0], w13, w2)
       t_xla = None
       if t in xla_ts:
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
@@ -93,6 +96,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
       used = float(np.mean([len(np.unique(np.asarray(s[1]))) for s in sets]))
       nbytes = used * per_expert + 2 * t * d * 2
       rows.append(dict(op="moe", backend=backend, t=t, group=g, experts_used=used, us=t_tri * 1e6, kernels_us=t_kern * 1e6,
+                       device_us=dev["us"], kernels=dev.get("kernels"),
                        xla_us=None if t_xla is None else t_xla * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3),
                        rel_err_vs_xla=err, config=config))
@@ -205,7 +209,7 @@ def main(argv=None):
         bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1],
                   backend=args.sweep_backend)
         bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
-                    check=False, backend=args.sweep_backend)
+                    backend=args.sweep_backend)
       except Exception as e:  # noqa: BLE001 - a config that does not build is a result
         sweep_rows.append(dict(op="error", backend=args.sweep_backend, config=cfg,
                                error=f"{type(e).__name__}: {str(e)[-3000:]}"))
@@ -237,7 +241,9 @@ def main(argv=None):
   save()
 
   print(f"\n{dev.device_kind}, jax {jax.__version__}, commit {commit}, copy {ceiling:.0f} GB/s")
-  print(f"{'op':6} {'shape':>22} {'us':>9} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8} {'kern us':>8}")
+  print("us: wall clock per call, back to back; dev us: CUPTI sum of the call's kernels; kern us: the MoE's two "
+        "grouped kernels alone (wall clock)")
+  print(f"{'op':6} {'shape':>22} {'us':>9} {'dev us':>8} {'xla us':>9} {'GB/s':>7} {'%copy':>6} {'err':>8} {'kern us':>8}")
   for r in rows:
     if r["op"] == "check_f64":
       err = "did not build" if r.get("error") else f"max err {r['max_err_rel_to_max']:.2e}"
@@ -257,7 +263,8 @@ def main(argv=None):
     xla = f"{r['xla_us']:9.1f}" if r.get("xla_us") else f"{'-':>9}"
     err = f"{r['rel_err_vs_xla']:.1e}" if r.get("rel_err_vs_xla") is not None else "-"
     kern = f"{r['kernels_us']:8.1f}" if r.get("kernels_us") else f"{'-':>8}"
-    print(f"{r['op']:6} {shape:>22} {r['us']:9.1f} {xla} {r['gbps']:7.0f} {r['pct_copy']:6.1f} {err:>8} {kern}{tag}")
+    dev = f"{r['device_us']:8.1f}" if r.get("device_us") else f"{'-':>8}"
+    print(f"{r['op']:6} {shape:>22} {r['us']:9.1f} {dev} {xla} {r['gbps']:7.0f} {r['pct_copy']:6.1f} {err:>8} {kern}{tag}")
   print(f"wrote {args.out}")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels.mla_decode import api, mosaic_sm90
 from pallas_kernels.mla_decode import reference
-from pallas_kernels.testing import compare, random_problem
+from pallas_kernels.testing import compare, device_time as time_call, random_problem
 
 SCALE = 192 ** -0.5
 
@@ -192,32 +191,6 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
           f"{row['tflop_per_s']:.0f} TFLOP/s  kernels={t.get('kernels')}", flush=True)
     dump(copy, rows)
   return copy, rows
-
-
-def time_call(fn, *args, iters: int = 20) -> dict:
-  """Median device time of fn(*args) (already jitted and warmed up by the caller or here).
-
-  CUPTI (jax.experimental.mosaic.gpu.profiler.measure) gives per-kernel times: 'us' is the median total over
-  iterations, 'kernels' the median of each kernel. Without CUPTI: wall clock over `iters` back-to-back calls.
-  """
-  jax.block_until_ready(fn(*args))
-  try:
-    from jax.experimental.mosaic.gpu import profiler
-    _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
-    if not runs:
-      raise RuntimeError("no kernels recorded")
-    totals = [sum(t for _, t in run) for run in runs]
-    names = [name for name, _ in runs[0]]
-    per_kernel = {}
-    for i, name in enumerate(names):
-      per_kernel[f"{i}:{name[:60]}"] = statistics.median(run[i][1] for run in runs if len(run) == len(names)) * 1e3
-    return dict(us=statistics.median(totals) * 1e3, method="cupti", kernels=per_kernel)
-  except Exception as e:  # noqa: BLE001 - CUPTI unavailable: fall back to the wall clock
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      r = fn(*args)
-    jax.block_until_ready(r)
-    return dict(us=(time.perf_counter() - t0) / iters * 1e6, method=f"wallclock ({type(e).__name__}: {e})"[:200])
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> dict:

@@ -45,15 +45,23 @@ def lower_for_cuda(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m,g,splits", [(1, 64, 1), (7, 128, 2), (64, 32, 1)])
-def test_dense_kernel_lowers_for_sm90(m, g, splits):
+@pytest.mark.parametrize("m,g,splits,fold", [(1, 64, 1, "jnp"), (7, 128, 2, "jnp"), (64, 32, 1, "jnp"),
+                                             (16, 64, 1, "ptx"), (7, 32, 2, "ptx")])
+def test_dense_kernel_lowers_for_sm90(m, g, splits, fold):
   rng = np.random.default_rng(m)
   w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
-  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits)), x, w)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, fold=fold)), x, w)
   assert "mosaic_gpu" in text
   for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
     assert needle in text, needle
+  assert ("mul.rn.bf16x2" in text) == (fold == "ptx")
+
+
+def test_unknown_fold_is_refused():
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
+  with pytest.raises(ValueError, match="fold"):
+    ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(fold="fma"), interpret=True)
 
 
 def test_moe_lowers_for_sm90():

@@ -175,6 +175,15 @@ def test_routing_blocks():
   assert (w[tok < 0] == 0).all()
 
 
+@pytest.mark.parametrize("p", [1, 7, 512, routing.PAIRWISE_RANK_MAX_PAIRS + 3])
+def test_pair_ranks_both_methods(p):
+  # the pairwise count (decode sizes) and the argsort (past PAIRWISE_RANK_MAX_PAIRS) against a Python loop, with
+  # out-of-range ids (dropped later by align, ranked like any id here)
+  ids = np.random.default_rng(p).integers(-2, 40, p).astype(np.int32)
+  want = [int(np.sum(ids[:i] == ids[i])) for i in range(p)]
+  np.testing.assert_array_equal(np.asarray(routing.pair_ranks(jnp.asarray(ids))), want)
+
+
 def test_backend_rules(caplog):
   with pytest.raises(ValueError, match="unknown"):
     api.resolve_backend("cuda", jnp.bfloat16)

@@ -8,6 +8,8 @@
    float64 NumPy reference: dense (M = 1, 7, 64; G = 32, 64, 128; K split on / off) and the MoE (empty and
    duplicated experts, NaN scales on unused experts). Interpret mode is slow on 2 cores: shapes are small.
 """
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,13 +47,14 @@ def lower_for_cuda(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m,g,splits,fold", [(1, 64, 1, "jnp"), (7, 128, 2, "jnp"), (64, 32, 1, "jnp"),
-                                             (16, 64, 1, "ptx"), (7, 32, 2, "ptx")])
-def test_dense_kernel_lowers_for_sm90(m, g, splits, fold):
+@pytest.mark.parametrize("m,g,splits,fold,overlap", [(1, 64, 1, "jnp", False), (7, 128, 2, "jnp", False),
+                                                     (64, 32, 1, "jnp", False), (16, 64, 1, "ptx", False),
+                                                     (7, 32, 2, "ptx", True), (16, 64, 1, "jnp", True)])
+def test_dense_kernel_lowers_for_sm90(m, g, splits, fold, overlap):
   rng = np.random.default_rng(m)
   w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
-  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, fold=fold)), x, w)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, fold=fold, overlap=overlap)), x, w)
   assert "mosaic_gpu" in text
   for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
     assert needle in text, needle
@@ -76,14 +79,16 @@ def test_moe_lowers_for_sm90():
   assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
 
 
-@pytest.mark.parametrize("m,k,n,g,splits", [(1, 512, 192, 64, 1), (7, 768, 128, 128, 3), (64, 256, 64, 32, 1)])
-def test_dense_interpret_vs_float64(m, k, n, g, splits):
+@pytest.mark.parametrize("m,k,n,g,splits,overlap", [(1, 512, 192, 64, 1, False), (7, 768, 128, 128, 3, False),
+                                                     (64, 256, 64, 32, 1, False), (7, 1280, 128, 64, 1, True),
+                                                     (16, 768, 192, 32, 3, True)])
+def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
-                                            config=dict(splits=splits)))(x, w)
+                                            config=dict(splits=splits, overlap=overlap)))(x, w)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   # bf16-rounded (q - z) s in the products and a bf16 output, as the xla path
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
@@ -114,12 +119,17 @@ def test_backend_rules_for_mosaic():
   if jax.devices()[0].platform == "cpu":
     with pytest.raises(ValueError, match="compute capability 9.x"):
       api.resolve_backend("mosaic_sm90", jnp.bfloat16)
-  # auto never picks it (unmeasured)
+  # auto: mosaic_sm90 on Hopper only; triton on other GPUs >= 8.0 and in interpret mode
   assert api.resolve_backend("auto", jnp.bfloat16, interpret=True)[0] == "triton"
+  for cc, want in (("9.0", "mosaic_sm90"), ("8.0", "triton"), ("8.9", "triton"), ("10.0", "triton"),
+                   ("7.5", "xla")):
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability=cc, device_kind=f"GPU {cc}")
+    assert api.resolve_backend("auto", jnp.bfloat16, device=gpu)[0] == want, cc
+    assert api.resolve_backend("auto", jnp.float32, device=gpu)[0] == "xla"
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_moe_interpret_gated_k_split(splits):
+@pytest.mark.parametrize("splits,overlap", [(1, False), (2, False), (1, True)])
+def test_moe_interpret_gated_k_split(splits, overlap):
   """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
   192 is not a multiple of the 128-column tile of the down projection."""
   rng = np.random.default_rng(3)
@@ -129,5 +139,5 @@ def test_moe_interpret_gated_k_split(splits):
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
   y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
-                    config=dict(splits=splits))
+                    config=dict(splits=splits, overlap=overlap))
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2

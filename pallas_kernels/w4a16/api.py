@@ -9,10 +9,11 @@ Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z
           bf16 activations.
   mosaic_sm90  Pallas Mosaic GPU kernels for Hopper (mosaic_sm90.py: TMA-streamed weights, wgmma with the decoded
           weights as a register operand); CUDA compute capability 9.x, or interpret=True on any device; bf16
-          activations. Only when requested by name: `auto` keeps triton until the H200 numbers are in (NOTES.md).
+          activations. 1.2-1.4x faster than triton on an H200 (NOTES.md, "Hopper kernel").
   xla     dequantize-and-dot (reference.py); any device and dtype.
-`auto` picks triton for bf16 activations on a CUDA GPU of compute capability >= 8.0 (or in interpret mode), else
-xla (also for group sizes the kernels are not built for), and logs one INFO line (logger "pallas_kernels") per
+`auto` picks, for bf16 activations: mosaic_sm90 on a Hopper GPU (compute capability 9.x), triton on other CUDA GPUs
+of compute capability >= 8.0 and in interpret mode; else xla (also for group sizes the kernels are not built
+for). It logs one INFO line (logger "pallas_kernels") per
 distinct choice with its reason. A backend requested by
 name that cannot run raises ValueError saying why and what would run; nothing is swapped silently.
 
@@ -83,8 +84,10 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
     return "xla", f"group size {group_size} (the kernels are built for {layout.KERNEL_GROUP_SIZES})"
   if interpret:
     return "triton", "interpret=True"
+  if on_gpu and cc[0] == 9:
+    return "mosaic_sm90", f"{where}: Hopper"
   if on_gpu:
-    return "triton", f"{where} >= 8.0 (mosaic_sm90 is unmeasured: request it by name)"
+    return "triton", f"{where} >= 8.0, not Hopper"
   return "xla", f"no CUDA GPU of compute capability >= 8.0 ({where})"
 
 

@@ -56,7 +56,7 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=528, splits=None, consumer_registers=232,
-                      producer_registers=40, fold="jnp")
+                      producer_registers=40, fold="jnp", overlap=False)
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -224,7 +224,7 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
-                 consumer_registers: int, producer_registers: int, fold: str, interpret: bool):
+                 consumer_registers: int, producer_registers: int, fold: str, overlap: bool, interpret: bool):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -336,17 +336,32 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             else:
               r["a_smem"][w] = weights[j]
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
-          plgpu.wgmma_wait(0)
 
         def run(acc_ref):
           def step(i, _):
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(loaded.at[slot])
             chunk_products(acc_ref, slot)
-            plgpu.barrier_arrive(consumed.at[slot])
+            if overlap:
+              # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
+              # wgmma group per plane), then hand its slot back
+              plgpu.wgmma_wait(layout.NIBBLES)
+
+              @pl.when(i > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(i + stages - 1, stages)])
+            else:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
             return ()
 
           lax.fori_loop(0, n_steps, step, ())
+          if overlap:
+            plgpu.wgmma_wait(0)
+
+            @pl.when(n_steps > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(n_steps + stages - 1, stages)])
           return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
@@ -429,7 +444,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      fold=cfg["fold"], interpret=bool(interpret))
+                      fold=cfg["fold"], overlap=bool(cfg["overlap"]), interpret=bool(interpret))
   out = call(block_expert, xb, w.packed, w.scales, w.zeros)
   if splits > 1:
     out = out.sum(axis=0)

@@ -304,7 +304,8 @@ def test_rows_kernel_schedule_matches_its_shares():
 def test_kernel_choice():
   assert ms.choose_kernel(128, False) == "rows" and ms.choose_kernel(64, False) == "rows"
   assert ms.choose_kernel(256, False) == "rows"                        # h128 Sq2
-  assert ms.choose_kernel(128, True) == "swapped"                      # fp8 rows: only when forced (unmeasured)
+  assert ms.choose_kernel(128, True) == "rows" and ms.choose_kernel(64, True) == "rows"
+  assert ms.choose_kernel(16, True) == "swapped" and ms.choose_kernel(80, True) == "swapped"
   assert ms.choose_kernel(128, True, "rows") == "rows"
   assert ms.choose_kernel(80, False) == "swapped" and ms.choose_kernel(32, False) == "swapped"
   assert ms.choose_kernel(80, False, "rows") == "rows"

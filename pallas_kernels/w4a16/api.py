@@ -11,9 +11,11 @@ Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z
           weights as a register operand); CUDA compute capability 9.x, or interpret=True on any device; bf16
           activations. 1.2-1.4x faster than triton on an H200 (NOTES.md, "Hopper kernel").
   xla     dequantize-and-dot (reference.py); any device and dtype.
-`auto` picks, for bf16 activations: mosaic_sm90 on a Hopper GPU (compute capability 9.x), triton on other CUDA GPUs
-of compute capability >= 8.0 and in interpret mode; else xla (also for group sizes the kernels are not built
-for). It logs one INFO line (logger "pallas_kernels") per
+`auto` picks, for bf16 activations: mosaic_sm90 on a Hopper GPU (compute capability 9.x) for weights of at least
+MOSAIC_MIN_WEIGHTS (K·N per expert), triton for smaller ones, on other CUDA GPUs of compute capability >= 8.0 and
+in interpret mode; else xla (also for group sizes the kernels are not built for). Why the size rule: a Mosaic GPU
+kernel is lowered again in every process (~0.5 s per kernel shape; the embedded 16M-parameter model spent 11.9 s
+lowering per generate.py run against 2.0 s with triton, H200), which small layers never win back. It logs one INFO line (logger "pallas_kernels") per
 distinct choice with its reason. A backend requested by
 name that cannot run raises ValueError saying why and what would run; nothing is swapped silently.
 
@@ -36,6 +38,8 @@ logger = logging.getLogger("pallas_kernels")
 BACKEND_NAMES = ("auto", "triton", "xla", "mosaic_sm90")
 _logged: set = set()
 KERNEL_BACKENDS = {"triton": triton, "mosaic_sm90": mosaic_sm90}   # backend name -> kernel module
+MOSAIC_MIN_WEIGHTS = 1 << 21          # K·N per expert from which auto takes mosaic_sm90 on Hopper (DeepSeek-V3's
+                                      # smallest AWQ linear, kv_a 7168 x 576, has 4.1M)
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -47,8 +51,9 @@ def _compute_capability(device) -> tuple[int, int] | None:
 
 
 def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=None,
-                    group_size: int | None = None) -> tuple[str, str]:
-  """(backend name, reason) for a w4a16 call; raises ValueError for a request that cannot run."""
+                    group_size: int | None = None, weight_elems: int | None = None) -> tuple[str, str]:
+  """(backend name, reason) for a w4a16 call; raises ValueError for a request that cannot run. weight_elems: K·N
+  of the (per-expert) weight, for auto's size rule (None: a large weight)."""
   if requested not in BACKEND_NAMES:
     raise ValueError(f"w4a16 backend {requested!r} is unknown; choose one of {BACKEND_NAMES}.")
   device = device or jax.devices()[0]
@@ -85,14 +90,18 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   if interpret:
     return "triton", "interpret=True"
   if on_gpu and cc[0] == 9:
+    if weight_elems is not None and weight_elems < MOSAIC_MIN_WEIGHTS:
+      return "triton", (f"{where}: Hopper, but a small weight (K·N {weight_elems} < {MOSAIC_MIN_WEIGHTS}; "
+                        "mosaic_sm90's per-process lowering does not pay)")
     return "mosaic_sm90", f"{where}: Hopper"
   if on_gpu:
     return "triton", f"{where} >= 8.0, not Hopper"
   return "xla", f"no CUDA GPU of compute capability >= 8.0 ({where})"
 
 
-def _choose(requested: str, x_dtype, interpret: bool, group_size: int) -> str:
-  name, reason = resolve_backend(requested, x_dtype, interpret, group_size=group_size)
+def _choose(requested: str, x_dtype, interpret: bool, weight: layout.W4A16Weight) -> str:
+  name, reason = resolve_backend(requested, x_dtype, interpret, group_size=weight.group_size,
+                                 weight_elems=weight.k * weight.n)
   if (requested, name, reason) not in _logged:
     _logged.add((requested, name, reason))
     logger.info("w4a16 backend: %s (%s)", name, reason)
@@ -114,7 +123,7 @@ def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "au
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   if x.shape[0] == 0:
     return jnp.zeros((0, weight.n), out_dtype)
-  name = _choose(backend, x.dtype, interpret, weight.group_size)
+  name = _choose(backend, x.dtype, interpret, weight)
   if name == "xla":
     return reference.matmul(x, weight, out_dtype=out_dtype)
   return KERNEL_BACKENDS[name].matmul(x, weight, interpret=interpret, config=config, out_dtype=out_dtype)
@@ -154,7 +163,7 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
   if t == 0:
     return jnp.zeros((0, w2.n), x.dtype)
   bm = block_m or default_block_m(t, k, num_experts)
-  name = _choose(backend, x.dtype, interpret, w13.group_size)
+  name = _choose(backend, x.dtype, interpret, w13)
   if name == "xla":
     return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=bm)
   rt = routing.align(topk_ids, topk_weights, num_experts, bm)

@@ -261,3 +261,21 @@ def test_finished_or_aborted_requests_are_not_kept_by_an_in_flight_call(engines)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, Request) and o.request_id in ids
                 and o.finish_reason == "abort"]
+
+
+def test_generate_equals_the_stream_it_no_longer_builds():
+    """generate() skips the per-token stream (incremental detokenization, one event per token); its outputs must
+    equal generate_stream()'s last event, whose text deltas join to the same text (embedded model, text prompts,
+    multi-step with overlap)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny-deepseek-py")
+    llm = LLM(path, max_num_seqs=4, max_model_len=96, attention_backend="xla", multi_step=4, seed=0)
+    prompts = ["import os", "def f(x):\n    return", "class A:", "for i in range(10):"]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12, 1, 9)]
+    outs = llm.generate(prompts, params)
+    events = list(llm.generate_stream(prompts, params))
+    streamed = events[-1].outputs
+    same_outputs(outs, streamed)
+    for i, (o, s) in enumerate(zip(outs, streamed)):
+        assert o.text == s.text and len(o.token_ids) == params[i].max_tokens
+        assert "".join(e.text for e in events[:-1] if e.index == i) == o.text
+        assert o.metrics["time_to_first_token_s"] is not None and o.metrics["time_to_first_token_s"] > 0

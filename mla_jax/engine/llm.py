@@ -275,9 +275,8 @@ class LLM:
         """One RequestOutput per prompt, in order. prompts: a str or a list of str (needs the model's tokenizer),
         or a list of token-id lists. sampling_params: one for all prompts or one per prompt."""
         outputs = None
-        for event in self.generate_stream(prompts, sampling_params):
-            if event.outputs is not None:
-                outputs = event.outputs
+        for event in self._run_requests(prompts, sampling_params, stream=False):
+            outputs = event.outputs
         if raise_on_error:
             for o in outputs:
                 o.raise_for_error()
@@ -286,6 +285,12 @@ class LLM:
     def generate_stream(self, prompts, sampling_params=None) -> Iterator["StreamEvent"]:
         """Yields a StreamEvent per generated token (index of the prompt, token id, text delta) and a last event
         whose `outputs` holds every RequestOutput in prompt order."""
+        return self._run_requests(prompts, sampling_params, stream=True)
+
+    def _run_requests(self, prompts, sampling_params, *, stream: bool) -> Iterator["StreamEvent"]:
+        """generate_stream's generator; stream=False (generate) yields only the last event and skips the per-token
+        work nobody reads (incremental detokenization, one event object per token): at batch 64 that work, ~25 µs
+        a token on the H200's host, was most of a decode step (mla_jax/engine/NOTES.md)."""
         if self._live:
             raise RuntimeError(f"{len(self._live)} requests of add_request() are unfinished on this LLM; finish or "
                                "abort them (step() / abort_request()) before calling generate()")
@@ -311,11 +316,17 @@ class LLM:
                 r.finish_reason = "length"
             else:
                 self.scheduler.add(r)
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and stream:
                     detok[r.request_id] = IncrementalDetokenizer(self.tokenizer)
         try:
             while self.scheduler.has_unfinished():
                 events = self._step()
+                if not stream:
+                    now = None
+                    for req, _ in events:
+                        if req.first_token_time is None:
+                            req.first_token_time = now = now or time.perf_counter()
+                    continue
                 # several tokens of one request may come in one step (multi-step decode): its finish_reason,
                 # already set, belongs to its last event only
                 last = {id(req): i for i, (req, _) in enumerate(events)}

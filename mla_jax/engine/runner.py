@@ -233,17 +233,20 @@ class FastDecoder:
             llm.step_times.append(("decode", n_live, len(cur.rows), per_step))
         events = []
         active = [i for i, r in enumerate(cur.rows) if r is not None and r.status is Status.RUNNING]
+        # Python ints and floats once per call, not a NumPy scalar per token (host time per token is what bounds
+        # a large batch's step)
+        tokens, logprobs = tokens[: cur.num_steps].tolist(), logprobs[: cur.num_steps].tolist()
         for j in range(cur.num_steps):
             still = []
             for i in active:
-                r, t = cur.rows[i], int(tokens[j, i])
+                r, t = cur.rows[i], tokens[j][i]
                 if t < 0:
                     raise RuntimeError(f"decode loop: row {i} stopped on the device after {j} tokens but the host "
                                        f"expected more (request {r.request_id}); the device and host stop rules "
                                        "disagree")
                 r.num_computed = r.num_tokens
                 r.output_token_ids.append(t)
-                r.output_logprobs.append(float(logprobs[j, i]))
+                r.output_logprobs.append(logprobs[j][i])
                 events.append((r, t))
                 reason = sched.check_stop(r, llm.eos_token_ids)
                 if reason is not None:

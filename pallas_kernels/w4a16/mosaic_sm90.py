@@ -375,10 +375,13 @@ def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
 
 def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
                    row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
-                   busy_blocks: int, interpret: bool = False, config: dict | None = None) -> jax.Array:
+                   busy_blocks: int, interpret: bool = False, config: dict | None = None,
+                   x_in_block_order: bool = False) -> jax.Array:
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
   rows of unused blocks are garbage, padding rows of used blocks finite. x rows are gathered (and K-padded) by XLA
-  into block order first; `weighted` multiplies the rows by row_weight after the kernel."""
+  into block order first, unless x_in_block_order: x is already [NB*block_m, >= K] in block order with finite
+  rows in every used block (the first grouped matmul's output), and the kernel reads it where it is. `weighted`
+  multiplies the rows by row_weight after the kernel."""
   cfg = dict(DEFAULT_CONFIG, **(config or {}))
   unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
   if unknown:
@@ -397,7 +400,12 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
-  xb = block_rows(x, row_token, w.k_pad)
+  if x_in_block_order:
+    xb = x.astype(jnp.bfloat16)
+    if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
+      xb = jnp.pad(xb[:, :w.k], ((0, 0), (0, w.k_pad - w.k)))
+  else:
+    xb = block_rows(x, row_token, w.k_pad)
   call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
@@ -429,8 +437,9 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
                      config=config)
-  row_self = routing.in_place_rows(routing_)
-  y = grouped_matmul(h, w2, routing_.block_expert, row_self, routing_.row_weight, block_m=bm, gated=False,
-                     weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks, interpret=interpret,
-                     config=config)
+  # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
+  # H200 for the copy this replaces)
+  y = grouped_matmul(h, w2, routing_.block_expert, routing.in_place_rows(routing_), routing_.row_weight,
+                     block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
+                     interpret=interpret, config=config, x_in_block_order=True)
   return routing.combine(y[:, :w2.n], routing_, apply_weights=True)

@@ -47,13 +47,15 @@ def lower_for_cuda(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m,g,splits,overlap", [(1, 64, 1, False), (7, 128, 2, False), (64, 32, 1, False),
-                                                (7, 32, 2, True), (16, 64, 1, True)])
-def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap):
+@pytest.mark.parametrize("m,g,splits,overlap,persistent", [(1, 64, 1, False, False), (7, 128, 2, False, False),
+                                                           (64, 32, 1, False, False), (7, 32, 2, True, False),
+                                                           (16, 64, 1, True, False), (16, 64, 2, True, True)])
+def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap, persistent):
   rng = np.random.default_rng(m)
   w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
   x = jax.ShapeDtypeStruct((m, 512), jnp.bfloat16)
-  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, overlap=overlap)), x, w)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, overlap=overlap, persistent=persistent,
+                                                                       num_ctas=132)), x, w)
   assert "mosaic_gpu" in text
   for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
     assert needle in text, needle
@@ -65,28 +67,34 @@ def test_unknown_config_key_is_refused():
     ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(num_warps=8), interpret=True)
 
 
-def test_moe_lowers_for_sm90():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_moe_lowers_for_sm90(persistent):
   rng = np.random.default_rng(5)
   *_, w13, w2 = make_moe(rng, 4, 512, 128, 64)
   x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((5, 2), jnp.int32)
   wts = jax.ShapeDtypeStruct((5, 2), jnp.float32)
   # the backend module directly (the api's rule refuses mosaic_sm90 on a CPU without interpret mode)
-  fn = lambda x, i, t, a, b: ms.moe(x, routing.align(i, t, 4, 16), a, b, busy_blocks=8)
+  fn = lambda x, i, t, a, b: ms.moe(x, routing.align(i, t, 4, 16), a, b, busy_blocks=8,
+                                    config=dict(persistent=persistent, num_ctas=132))
   text = lower_for_cuda(fn, x, ids, wts, w13, w2)
   assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
 
 
-@pytest.mark.parametrize("m,k,n,g,splits,overlap", [(1, 512, 192, 64, 1, False), (7, 768, 128, 128, 3, False),
-                                                     (64, 256, 64, 32, 1, False), (7, 1280, 128, 64, 1, True),
-                                                     (16, 768, 192, 32, 3, True)])
-def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap):
+@pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent",
+                         [(1, 512, 192, 64, 1, False, False), (7, 768, 128, 128, 3, False, False),
+                          (64, 256, 64, 32, 1, False, False), (7, 1280, 128, 64, 1, True, False),
+                          (16, 768, 192, 32, 3, True, False),
+                          # persistent: 3 CTAs walk 2 blocks x 3 column tiles x 2 splits (one ring across units)
+                          (40, 1024, 320, 64, 2, True, True), (7, 512, 192, 128, 1, False, True)])
+def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
-                                            config=dict(splits=splits, overlap=overlap)))(x, w)
+                                            config=dict(splits=splits, overlap=overlap, persistent=persistent,
+                                                        num_ctas=3)))(x, w)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   # bf16-rounded (q - z) s in the products and a bf16 output, as the xla path
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
@@ -132,8 +140,9 @@ def test_backend_rules_for_mosaic():
   assert api.resolve_backend("mosaic_sm90", jnp.bfloat16, device=hopper, weight_elems=256)[0] == "mosaic_sm90"
 
 
-@pytest.mark.parametrize("splits,overlap", [(1, False), (2, False), (1, True)])
-def test_moe_interpret_gated_k_split(splits, overlap):
+@pytest.mark.parametrize("splits,overlap,persistent", [(1, False, False), (2, False, False), (1, True, False),
+                                                       (1, True, True), (2, True, True)])
+def test_moe_interpret_gated_k_split(splits, overlap, persistent):
   """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
   192 is not a multiple of the 128-column tile of the down projection."""
   rng = np.random.default_rng(3)
@@ -143,5 +152,5 @@ def test_moe_interpret_gated_k_split(splits, overlap):
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
   y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
-                    config=dict(splits=splits, overlap=overlap))
+                    config=dict(splits=splits, overlap=overlap, persistent=persistent, num_ctas=3))
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2

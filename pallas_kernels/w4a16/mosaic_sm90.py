@@ -56,9 +56,11 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=528, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True)
+                      producer_registers=40, overlap=True, persistent=False, num_ctas=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
+# persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
+# column tile, K split) round-robin with one ring across them, instead of one CTA per unit. Unmeasured.
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -186,7 +188,7 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
-                 consumer_registers: int, producer_registers: int, overlap: bool, interpret: bool):
+                 consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -210,60 +212,94 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
       loaded=plgpu.Barrier(num_arrivals=3 * NUM_CONSUMERS + 1, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
-      upbar=plgpu.Barrier(num_arrivals=1))
+      upbar=plgpu.Barrier(num_arrivals=1),
+      xfree=plgpu.Barrier(num_arrivals=1))
   if not on_gpu:
     scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
 
-  def body(block_expert_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *scratch_refs):
+  persistent = num_ctas > 0
+  units_per_block = tiles * splits
+
+  def body(block_expert_ref, n_used_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *scratch_refs):
     r = dict(zip(names, scratch_refs))
     ring_w, ring_s, ring_z, ring_x = r["ring_w"], r["ring_s"], r["ring_z"], r["ring_x"]
     loaded, consumed = r["loaded"], r["consumed"]
     wg = lax.axis_index("wg")
-    b, p, sp = lax.axis_index("b"), lax.axis_index("p"), lax.axis_index("s")
-    expert = block_expert_ref[b]
-    c_lo = sp * chunks_per_split
-    c_hi = jnp.minimum(c_lo + chunks_per_split, n_chunks)
-    n_steps = jnp.maximum(c_hi - c_lo, 0)
 
-    def column(w: int):
+    def unit(u):
+      """Work unit u -> (block, column tile, K split, expert, first chunk, chunks); block-major, so the units of
+      the blocks in use (a prefix of the blocks, routing.align) are a prefix of the units."""
+      b = u // units_per_block
+      p = lax.rem(u // splits, tiles)
+      sp = lax.rem(u, splits)
+      c_lo = sp * chunks_per_split
+      n_steps = jnp.maximum(jnp.minimum(c_lo + chunks_per_split, n_chunks) - c_lo, 0)
+      return b, p, sp, block_expert_ref[b], c_lo, n_steps
+
+    if persistent:
+      # CTA c runs units c, c + G, ... of the blocks in use; the ring and its barrier phases run on across units,
+      # so the next unit's loads overlap this unit's last chunks and its epilogue
+      cta = lax.axis_index("c")
+      my_units = jnp.maximum(n_used_ref[0] * units_per_block - cta + num_ctas - 1, 0) // num_ctas
+
+      def for_each_unit(fn):
+        return lax.fori_loop(0, my_units, lambda i, first: first + fn(unit(cta + i * num_ctas), first),
+                             jnp.int32(0))
+      active = True
+    else:
+      this_unit = unit((lax.axis_index("b") * tiles + lax.axis_index("p")) * splits + lax.axis_index("s"))
+
+      def for_each_unit(fn):
+        return fn(this_unit, jnp.int32(0))
+      active = this_unit[3] >= 0                        # expert -1: a block not in use
+
+    def column(p, w: int):
       if gated:
         return w * up_offset + p * SUB_N
       # a sub-tile past N_pad (N_pad not a multiple of 128) re-reads sub-tile 0 and is not stored
       return jnp.minimum(p * (NUM_CONSUMERS * SUB_N) + w * SUB_N, n_pad - SUB_N)
 
-    @pl.when(expert >= 0)
+    @pl.when(active)
     def _active():
       @pl.when(wg == NUM_CONSUMERS)
       def _producer():
         if on_gpu:
           plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def step(i, _):
-          slot = lax.rem(i, stages)
-          c = c_lo + i
+        def produce(info, first):
+          b, p, _, expert, c_lo, n_steps = info
 
-          @pl.when(i >= stages)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
+          def step(i, _):
+            g = first + i                             # chunks this CTA has streamed: the ring position
+            slot = lax.rem(g, stages)
+            c = c_lo + i
 
-          for w in range(NUM_CONSUMERS):
-            col = pl.ds(column(w), SUB_N)
-            plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w],
-                                    loaded.at[slot])
-          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
-                                  ring_x.at[slot], loaded.at[slot])
-          return ()
+            @pl.when(g >= stages)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
 
-        lax.fori_loop(0, n_steps, step, ())
+            for w in range(NUM_CONSUMERS):
+              col = pl.ds(column(p, w), SUB_N)
+              plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
+                                      loaded.at[slot])
+              plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w],
+                                      loaded.at[slot])
+              plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w],
+                                      loaded.at[slot])
+            plgpu.copy_gmem_to_smem(
+                x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
+                ring_x.at[slot], loaded.at[slot])
+            return ()
+
+          lax.fori_loop(0, n_steps, step, ())
+          return n_steps
+
+        total = for_each_unit(produce)
         for i in range(stages):       # observe the release of the last stages: no barrier phase left pending
-          @pl.when(n_steps + i >= stages)
+          @pl.when(total + i >= stages)
           def _():
-            plgpu.barrier_wait(consumed.at[lax.rem(n_steps + i, stages)])
+            plgpu.barrier_wait(consumed.at[lax.rem(total + i, stages)])
 
       def consumer(w: int):
         if on_gpu:
@@ -295,59 +331,76 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               r["a_smem"][w] = weights[j]
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
 
-        def run(acc_ref):
-          def step(i, _):
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(loaded.at[slot])
-            chunk_products(acc_ref, slot)
+        def consume(info, first):
+          b, p, sp, _, _, n_steps = info
+
+          def run(acc_ref):
+            def step(i, _):
+              g = first + i
+              slot = lax.rem(g, stages)
+              plgpu.barrier_wait(loaded.at[slot])
+              chunk_products(acc_ref, slot)
+              if overlap:
+                # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
+                # wgmma group per plane), then hand its slot back
+                plgpu.wgmma_wait(layout.NIBBLES)
+
+                @pl.when(i > 0)
+                def _():
+                  plgpu.barrier_arrive(consumed.at[lax.rem(g + stages - 1, stages)])
+              else:
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])
+              return ()
+
+            lax.fori_loop(0, n_steps, step, ())
             if overlap:
-              # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
-              # wgmma group per plane), then hand its slot back
-              plgpu.wgmma_wait(layout.NIBBLES)
-
-              @pl.when(i > 0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(i + stages - 1, stages)])
-            else:
               plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
-            return ()
 
-          lax.fori_loop(0, n_steps, step, ())
-          if overlap:
-            plgpu.wgmma_wait(0)
+              @pl.when(n_steps > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(first + n_steps + stages - 1, stages)])
+            return acc_ref[...]
 
-            @pl.when(n_steps > 0)
+          acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+          rows = pl.ds(b * block_m, block_m)
+          col = column(p, w)
+          if gate_in_kernel and w == 1:
+            # hand the up accumulator to warpgroup 0; xch is free again once it read the previous unit's
+            @pl.when(first > 0)
             def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(n_steps + stages - 1, stages)])
-          return acc_ref[...]
+              plgpu.barrier_wait(r["xfree"])
 
-        acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
-        rows = pl.ds(b * block_m, block_m)
-        col = column(w)
-        if gate_in_kernel:
-          if w == 1:
             r["xch"][...] = acc
             plgpu.commit_smem()
             plgpu.barrier_arrive(r["upbar"])
-            return
-          plgpu.barrier_wait(r["upbar"])
-          up = plgpu.load(r["xch"], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
-          acc = acc * jax.nn.sigmoid(acc) * up
-          dst = o_ref.at[rows, pl.ds(p * SUB_N, SUB_N)]
-        elif split:
-          dst = o_ref.at[sp, rows, pl.ds(col, SUB_N)]
-        else:
-          dst = o_ref.at[rows, pl.ds(col, SUB_N)]
-        y = acc.astype(o_ref.dtype)
-        in_range = gated or (p * (NUM_CONSUMERS * SUB_N) + w * SUB_N < n_pad)
-
-        @pl.when(in_range)
-        def _store():
-          if on_gpu:
-            _store_transposed_gpu(y, dst)
+            return n_steps
+          if gate_in_kernel:
+            plgpu.barrier_wait(r["upbar"])
+            up = plgpu.load(r["xch"], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
+            plgpu.barrier_arrive(r["xfree"])
+            acc = acc * jax.nn.sigmoid(acc) * up
+            dst = o_ref.at[rows, pl.ds(p * SUB_N, SUB_N)]
+          elif split:
+            dst = o_ref.at[sp, rows, pl.ds(col, SUB_N)]
           else:
-            dst[...] = y.T
+            dst = o_ref.at[rows, pl.ds(col, SUB_N)]
+          y = acc.astype(o_ref.dtype)
+          in_range = gated or (p * (NUM_CONSUMERS * SUB_N) + w * SUB_N < n_pad)
+
+          @pl.when(in_range)
+          def _store():
+            if on_gpu:
+              _store_transposed_gpu(y, dst)
+            else:
+              dst[...] = y.T
+          return n_steps
+
+        total = for_each_unit(consume)
+        if gate_in_kernel and w == 1:
+          @pl.when(total > 0)
+          def _():
+            plgpu.barrier_wait(r["xfree"])      # warpgroup 0 read the last unit's xch: no phase left pending
 
       for w in range(NUM_CONSUMERS):
         pl.when(wg == w)(functools.partial(consumer, w))
@@ -357,8 +410,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   else:
     out_type = jax.ShapeDtypeStruct((rows_total, n_out), out_dtype)
   kernel = plgpu.kernel(
-      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(num_blocks, tiles, splits),
-      grid_names=("b", "p", "s"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      body, out_type=out_type, scratch_types=list(scratch.values()),
+      grid=(num_ctas,) if persistent else (num_blocks, tiles, splits),
+      grid_names=("c",) if persistent else ("b", "p", "s"), num_threads=NUM_WARPGROUPS, thread_name="wg",
       # every SMEM hand-off is ordered by an mbarrier or commit_smem; no cross-warp reduction
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
@@ -400,6 +454,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
+  num_ctas = 0
+  if cfg["persistent"]:
+    num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
@@ -410,8 +467,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=bool(cfg["overlap"]), interpret=bool(interpret))
-  out = call(block_expert, xb, w.packed, w.scales, w.zeros)
+                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret))
+  n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
+  out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:
     out = out.sum(axis=0)
     if gated:

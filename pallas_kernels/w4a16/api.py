@@ -15,9 +15,9 @@ Weights are `layout.W4A16Weight` (pack / pack_gate_up build them from AWQ's q, z
 MOSAIC_MIN_WEIGHTS (K·N per expert), triton for smaller ones, on other CUDA GPUs of compute capability >= 8.0 and
 in interpret mode; else xla (also for group sizes the kernels are not built for). Why the size rule: a Mosaic GPU
 kernel is lowered again in every process (~0.5 s per kernel shape; the embedded 16M-parameter model spent 11.9 s
-lowering per generate.py run against 2.0 s with triton, H200), which small layers never win back. It logs one INFO line (logger "pallas_kernels") per
-distinct choice with its reason. A backend requested by
-name that cannot run raises ValueError saying why and what would run; nothing is swapped silently.
+lowering per generate.py run against 2.0 s with triton, H200), which small layers never win back. It logs one
+INFO line (logger "pallas_kernels") per distinct choice with its reason. A backend requested by name that cannot
+run raises ValueError saying why and what would run; nothing is swapped silently.
 
 Both ops are plain jittable functions; the MoE groups tokens by expert on the device with static shapes
 (routing.py). Under a mesh, call them inside `jax.shard_map` on per-device shards (a column-split weight gives

@@ -47,7 +47,7 @@ def pair_ranks(ids: jax.Array) -> jax.Array:
   """ids int32 [P] -> int32 [P]: how many earlier pairs (lower index) have the same id.
 
   Up to PAIRWISE_RANK_MAX_PAIRS pairs: one fused compare-and-count over the [P, P] pairs (at P = 512 on an H200
-  a few µs; a cumsum over a [P, E] one-hot, which XLA lowers as a windowed reduction, took 105 µs). Above that
+  under 5 µs; a cumsum over a [P, E] one-hot, which XLA lowers as a windowed reduction, took 105 µs). Above that
   (prefill), a stable argsort: the rank is the position in the sorted order minus the start of the id's run."""
   p = ids.shape[0]
   idx = jnp.arange(p, dtype=jnp.int32)

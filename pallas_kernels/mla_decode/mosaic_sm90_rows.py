@@ -33,6 +33,11 @@ latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barr
 f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs fp8 on the swapped kernel until this is
 measured; kernel="rows" forces it.
 
+fp8 with num_stages=2 (opt-in, unmeasured): each slot stays held until both warpgroups' QKs are done with it, so
+QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after QK; Q's rope is loaded from
+GMEM once a segment into registers, the rope wgmma's A operand (interpret mode: through a per-warpgroup SMEM copy).
+Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
+
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
 Mosaic's shared cross-warp reduction scratch (NOTES.md's trap) is never used.
@@ -269,11 +274,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
         @pl.when(hi > lo)
         def _segment():
-          bg = b * g_count + grp
           if w == 0:
             # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the
             # previous segment, or nothing came before)
             plgpu.commit_smem()
+            bg = b * g_count + grp
             for h in range(2):
               q_src = qn_ref.at[bg, :, pl.ds(h * HALF, HALF)] if fp8 else q_ref.at[bg, :, pl.ds(h * HALF, HALF)]
               plgpu.copy_gmem_to_smem(q_src, q_smem.at[h], qbar)
@@ -282,8 +287,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           qr = None
           if held:
             # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
-            qr = plgpu.load(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], layout=plgpu.Layout.WGMMA,
-                            optimized=False)
+            qr = plgpu.load(q_ref.at[b * g_count + grp, :, pl.ds(LATENT_DIM, ROPE_DIM)],
+                            layout=plgpu.Layout.WGMMA, optimized=False)
             if not on_gpu:
               # this warpgroup's previous QKs are done with its copy (wgmma_wait in qk)
               qr_smem[w] = qr

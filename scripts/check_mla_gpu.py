@@ -34,14 +34,16 @@ SCALE = 192 ** -0.5
 
 
 def correctness_cases(kind: str):
-  """(name, dtype, heads, sq, lens[, kernel]) cases; lens drawn from a fixed seed so runs are comparable (new
-  cases go last: the draws of earlier ones stay the same). A sixth entry forces mosaic_sm90's kernel."""
+  """(name, dtype, heads, sq, lens[, kernel[, kwargs]]) cases; lens drawn from a fixed seed so runs are comparable
+  (new cases go last: the draws of earlier ones stay the same). A sixth entry forces mosaic_sm90's kernel, a
+  seventh passes plan overrides (num_stages) to mosaic_sm90.mla_decode."""
   rng = np.random.default_rng(1234)
   if kind == "tiny":
     return [("bf16 h16 ragged+0", "bfloat16", 16, 1, [70, 0, 5]),
             ("fp8 h20 sq2 causal", "fp8_e4m3", 20, 2, [1, 130, 64]),
             ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [70, 0, 5]),
-            ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [70, 0, 5], "rows")]
+            ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [70, 0, 5], "rows"),
+            ("fp8 h64 ragged+0 rows 2 stages", "fp8_e4m3", 64, 1, [70, 0, 5], "rows", dict(num_stages=2))]
   ragged = lambda b, hi: [int(x) for x in rng.integers(0, hi + 1, b)]
   return [
       ("bf16 h16 ragged+0", "bfloat16", 16, 1, [0] + ragged(6, 700)),
@@ -70,6 +72,13 @@ def correctness_cases(kind: str):
       ("fp8 h128 b2 L8192 rows", "fp8_e4m3", 128, 1, [8192, 8000], "rows"),
       ("fp8 h64 sq2 rows causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
       ("fp8 h128 sq2 rows causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "rows"),
+      # the opt-in 2-slot fp8 ring (Q's rope as a register A operand: interpret mode cannot run that path)
+      ("fp8 h128 ragged+0 rows 2 stages", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows",
+       dict(num_stages=2)),
+      ("fp8 h128 b48 many seqs/part rows 2 stages", "fp8_e4m3", 128, 1, ragged(48, 1500), "rows",
+       dict(num_stages=2)),
+      ("fp8 h64 sq2 rows 2 stages causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
+       dict(num_stages=2)),
   ]
 
 
@@ -80,6 +89,7 @@ def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto"):
   rows = []
   for name, dtype, heads, sq, lens, *case_kernel in correctness_cases(kind):
     kernel = case_kernel[0] if case_kernel else default_kernel
+    plan_kw = case_kernel[1] if len(case_kernel) > 1 else {}
     causal = name.endswith(" causal")
     q, cache, table, lens_a = random_problem(len(rows), lens=lens, sq=sq, heads=heads, dtype=dtype)
     try:
@@ -94,7 +104,7 @@ def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto"):
         # backend module and the op's output contract directly (the same steps, unsharded).
         def f(q, c, t, l):
           out, lse = mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=causal, interpret=interpret,
-                                            kernel=kernel)
+                                            kernel=kernel, **plan_kw)
           return api.apply_output_contract(out, lse, c, t, l)
         return jax.jit(f)(q, cache, table, lens_a)
       return jax.jit(lambda q, c, t, l: pallas_kernels.mla_decode(
@@ -133,11 +143,18 @@ def timing_variants():
       ("fp8_e4m3 h16 sq2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128 rows", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      # the opt-in 2-slot fp8 ring (slot held through QK, Q's rope in registers) against the 1-slot default
+      ("fp8_e4m3 h128 rows 2 stages", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_stages=2)),
       ("fp8_e4m3 h128 rows ragged[1,2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
       ("fp8_e4m3 h128 sq2", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128 sq2 rows", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h128 sq2 rows 2 stages", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_stages=2)),
       ("fp8_e4m3 h64", "fp8_e4m3", 64, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h64 rows", "fp8_e4m3", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h64 rows 2 stages", "fp8_e4m3", 64, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_stages=2)),
       ("bfloat16 h128 swapped", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),
       ("bfloat16 h128 swapped bf16 P", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", split_p=False)),

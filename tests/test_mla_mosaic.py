@@ -326,11 +326,12 @@ def test_rows_plan_fits_smem():
   assert plan.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(3)
   with pytest.raises(ValueError, match="SMEM"):
     mr.make_plan(128, num_sms=132, num_stages=3)
-  fp8 = mr.make_plan(128, num_sms=132, fp8=True)          # 1 fp8 slot + the f16 page: 2 slots do not fit
+  fp8 = mr.make_plan(128, num_sms=132, fp8=True)          # default: 1 fp8 slot (2 slots: opt-in, unmeasured)
   assert (fp8.groups, fp8.num_parts, fp8.num_stages, fp8.fp8) == (2, 66, 1, True)
-  assert fp8.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(2, fp8=True)
-  with pytest.raises(ValueError, match=r"num_stages in \[1\]"):
-    mr.make_plan(128, num_sms=132, num_stages=2, fp8=True)
+  fp8_2 = mr.make_plan(128, num_sms=132, num_stages=2, fp8=True)   # no rope copies, Q's rope in registers
+  assert fp8.smem_bytes <= mr.SMEM_LIMIT and fp8_2.smem_bytes <= mr.SMEM_LIMIT < mr.smem_bytes(3, fp8=True)
+  with pytest.raises(ValueError, match=r"num_stages in \[1, 2\]"):
+    mr.make_plan(128, num_sms=132, num_stages=3, fp8=True)
 
 
 def test_merge_kernel_rows_major_matches_transposed():
@@ -351,19 +352,23 @@ def test_merge_kernel_rows_major_matches_transposed():
   np.testing.assert_array_equal(np.asarray(lse_r), np.asarray(lse_t))
 
 
-# ---- the rows kernel with an fp8 cache (1-slot fp8 ring, each warpgroup dequantizes its token half) ---------------
+# ---- the rows kernel with an fp8 cache (each warpgroup dequantizes its token half; a 1-slot fp8 ring by default,
+# 2 slots held through QK as an option) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("heads,sq,lens,causal,parts", [
     (64, 1, [70, 0, 5], False, 3),       # zero length; last pages with 6 and 5 tokens (warpgroup 1's half empty)
     (128, 1, [130, 1, 64], False, 2),    # two row groups, a full last page, the 1-slot ring wraps within a share
     (128, 2, [1, 130, 0, 64], True, 3),  # Sq 2 causal, 4 row groups
     (64, 2, [3, 200, 100], True, 4),     # Sq 2 causal; last pages of 8 and 36 tokens (warpgroup 1's half partial)
 ])
-def test_rows_kernel_fp8_interpret(heads, sq, lens, causal, parts):
+def test_rows_kernel_fp8_interpret(heads, sq, lens, causal, parts, stages):
   """kernel="rows" with an fp8 cache on NaN-poisoned pages (unused slots, pages and scales) against the float64
-  reference on the dequantized cache. P and V are f16 here, so §3's plain bound applies (no bf16-P widening)."""
+  reference on the dequantized cache. P and V are f16 here, so §3's plain bound applies (no bf16-P widening).
+  stages=2: the slot held through QK, Q's rope through the interpret fallback (SMEM, not registers)."""
   q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 1000, lens=lens, sq=sq, heads=heads,
                                            dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, num_stages=stages,
+                        kernel="rows")
   res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
   assert res["ok"], res
   assert res["cos_diff"] < 1e-5
@@ -371,11 +376,12 @@ def test_rows_kernel_fp8_interpret(heads, sq, lens, causal, parts):
   assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
 
 
-def test_rows_kernel_fp8_interpret_no_races():
-  """Race detector on the fp8 rows path: the 1-slot ring refilled while the f16 page is in use, 2 shares (one
-  with 3 pages, so kbuf is reused across pages and segments), a partial last page."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_rows_kernel_fp8_interpret_no_races(stages):
+  """Race detector on the fp8 rows path: the ring refilled while the f16 page is in use, 2 shares (one with 3
+  pages, so kbuf is reused across pages and segments and the 2-slot ring wraps), a partial last page."""
   q, cache, table, lens = random_problem(11, lens=[130, 2], sq=1, heads=64, dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="rows",
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=stages, kernel="rows",
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
@@ -418,14 +424,31 @@ def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_
   return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("fp8,heads,sq,causal", [(False, 128, 1, False), (True, 128, 1, False), (True, 64, 2, True)])
-def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal):
-  """The GPU code path (P as a register A operand, in-place accumulator, the dequant layouts) lowers for sm90,
-  and Mosaic's SMEM count agrees with smem_bytes: one fp8 slot fits, two exceed the 227 KiB of a block."""
+def _mosaic_smem_bytes(plan, **kw):
+  """Mosaic's own count of the kernel's dynamic SMEM (its error message under an artificial limit of 0 bytes)."""
+  import re
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  with mgpu_core.artificial_shared_memory_limit(0):
+    with pytest.raises(ValueError, match="exceeds available shared memory") as e:
+      _lower_rows_for_sm90(plan, **kw)
+  return int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
+
+
+@pytest.mark.parametrize("fp8,heads,sq,causal,stages", [
+    (False, 128, 1, False, None), (True, 128, 1, False, None), (True, 64, 2, True, None),
+    (True, 128, 1, False, 2), (True, 64, 2, True, 2),     # the 2-slot fp8 ring: Q's rope as a register A operand
+])
+def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal, stages):
+  """The GPU code path (P and, with 2 fp8 slots, Q's rope as register A operands, in-place accumulator, the
+  dequant layouts) lowers for sm90, and smem_bytes equals Mosaic's SMEM count: the plan fits, one more slot
+  exceeds the 227 KiB of a block."""
   import dataclasses
   from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  plan = mr.make_plan(sq * heads, num_sms=8, fp8=fp8)
+  plan = mr.make_plan(sq * heads, num_sms=8, fp8=fp8, num_stages=stages)
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=heads, sq=sq, causal=causal)
+  assert _mosaic_smem_bytes(plan, heads=heads, sq=sq, causal=causal) == plan.smem_bytes <= mr.SMEM_LIMIT
+  if fp8 and plan.num_stages == 1:
+    return                   # one more fp8 slot is the other layout (no rope copies): the stages=2 cases
   deeper = dataclasses.replace(plan, num_stages=plan.num_stages + 1)
   assert mr.smem_bytes(deeper.num_stages, fp8) > mr.SMEM_LIMIT
   with pytest.raises(ValueError, match="exceeds available shared memory"):

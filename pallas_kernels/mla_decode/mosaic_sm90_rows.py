@@ -33,6 +33,11 @@ latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barr
 f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs fp8 on the swapped kernel until this is
 measured; kernel="rows" forces it.
 
+fp8 with num_stages=2 (opt-in, unmeasured): each slot stays held until both warpgroups' QKs are done with it, so
+QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after QK; Q's rope is loaded from
+GMEM once a segment into registers, the rope wgmma's A operand (interpret mode: through a per-warpgroup SMEM copy).
+Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
+
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
 Mosaic's shared cross-warp reduction scratch (NOTES.md's trap) is never used.
@@ -84,29 +89,33 @@ class Plan:
 
 
 def smem_bytes(stages: int, fp8: bool = False) -> int:
-  """Dynamic SMEM of the rows kernel: Q, the page ring, P, the row-max / row-sum exchange; with an fp8 cache
-  also the dequantized f16 page and its bf16 rope copy (NOTES.md: why the fp8 ring has one slot)."""
-  q = ROWS * (LATENT_DIM + ROPE_DIM) * 2       # fp8: the latent part in f16, rope bf16: same bytes
+  """Dynamic SMEM of the rows kernel as Mosaic counts it (every scratch buffer rounded up to 1 KiB, then 8 B a
+  barrier): Q, the page ring, P, the row-max / row-sum exchange; with an fp8 cache also the dequantized f16 page,
+  and with ONE fp8 slot Q's rope and the rope copy (NOTES.md: the 1-slot ring and the 2-slot ring)."""
+  kib = lambda n: -(-n // 1024) * 1024
+  q_lat = ROWS * LATENT_DIM * 2                  # fp8: in f16, same bytes
+  rope = ROWS * ROPE_DIM * 2                     # Q's rope [64, 64] bf16; the page's rope is the same size
   p = ROWS * PAGE * 2
-  exchange = 2 * 2 * ROWS * 4
+  exchange = 2 * kib(2 * ROWS * 4)
   if fp8:
-    ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * (LATENT_DIM // FP8_TILE) * 4)
-    ring += PAGE * (LATENT_DIM + ROPE_DIM) * 2   # the f16 page + the rope copy
-  else:
-    ring = stages * PAGE * (LATENT_DIM + ROPE_DIM) * 2
-  return q + ring + p + exchange + 1024          # + barriers and alignment
+    slot = PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + kib(PAGE * (LATENT_DIM // FP8_TILE) * 4)
+    f16_page = PAGE * LATENT_DIM * 2
+    # 2+ slots: QK reads the rope from the held slot (no copy) and Q's rope from registers
+    extra = 2 * rope if stages == 1 else 0
+    return q_lat + stages * slot + f16_page + extra + p + exchange + 8 * (2 * stages + 5)
+  return q_lat + rope + stages * PAGE * (LATENT_DIM + ROPE_DIM) * 2 + p + exchange + 8 * (2 * stages + 4)
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
-  next to the f16 page exceed SMEM; NOTES.md)."""
+  fit only without the rope copies, Q's rope then in registers; not yet measured on a GPU, NOTES.md)."""
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  stages = (1 if fp8 else 2) if num_stages is None else int(num_stages)
+  stages = (1 if fp8 else 2) if num_stages is None else int(num_stages)   # fp8 num_stages=2: unmeasured
   if stages < 1 or smem_bytes(stages, fp8) > SMEM_LIMIT:
     fitting = [s for s in (1, 2) if smem_bytes(s, fp8) <= SMEM_LIMIT]
     raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages ({'fp8' if fp8 else 'bf16'} cache) need "
@@ -126,8 +135,31 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   causal_rows = bool(causal) and sq > 1
   dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
+  # fp8 with 2+ slots: a slot stays held until both QKs are done, so QK reads the page's rope from it (no krope)
+  # and Q's rope is the rope wgmma's register A operand (no qr_smem): 2 slots fit only without both (NOTES.md)
+  held = fp8 and stages > 1
 
-  if fp8:
+  if held:
+    scratch = dict(
+        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),         # Q latent (f16), by half
+        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
+        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+        ring_sc=plgpu.SMEM((stages, PAGE, LATENT_DIM // FP8_TILE), jnp.float32),
+        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16),           # the dequantized page, by latent half
+        pbuf=plgpu.SMEM((ROWS, PAGE), dt),
+        mx=plgpu.SMEM((2, ROWS), jnp.float32),
+        lx=plgpu.SMEM((2, ROWS), jnp.float32),
+        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),      # latent halves, rope, scales landed
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # both QKs done with the slot
+        qbar=plgpu.Barrier(num_arrivals=2),                             # Q latent halves landed
+        mbar=plgpu.Barrier(num_arrivals=2),
+        pbar=plgpu.Barrier(num_arrivals=2),
+        lbar=plgpu.Barrier(num_arrivals=2),
+        kfree=plgpu.Barrier(num_arrivals=2))                            # both P.V done with kbuf
+    if not on_gpu:
+      # interpret mode runs no register A operand: each warpgroup's copy of Q's rope goes through SMEM (as P)
+      scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
+  elif fp8:
     scratch = dict(
         q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),         # Q latent (f16), by half
         qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
@@ -172,11 +204,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       qn_ref = sc_ref = None
       scratch_refs = refs[9:]
     r = dict(zip(names, scratch_refs))
-    q_smem, qr_smem, ring_lat, ring_rope, pbuf, mx, lx = (
-        r[k] for k in ("q_smem", "qr_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
+    q_smem, ring_lat, ring_rope, pbuf, mx, lx = (
+        r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
     loaded, consumed, qbar, mbar, pbar, lbar = (
         r[k] for k in ("loaded", "consumed", "qbar", "mbar", "pbar", "lbar"))
-    ring_sc, kbuf, krope, kfree = (r.get(k) for k in ("ring_sc", "kbuf", "krope", "kfree"))
+    qr_smem, ring_sc, kbuf, krope, kfree = (r.get(k) for k in ("qr_smem", "ring_sc", "kbuf", "krope", "kfree"))
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
@@ -210,8 +242,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       def dequant(slot, n_valid):
         """fp8: this warpgroup's tokens [32 w, 32 w + 32) of the page, all 512 latent columns -> f16 x tile scale
         (exact: power-of-two scales) into kbuf, tokens past the length -> 0 by select (they may hold NaN; only
-        a partial last page pays the select), and the same tokens' bf16 rope into krope. QK reads only these
-        tokens; P.V reads both halves after pbar."""
+        a partial last page pays the select), and (one slot) the same tokens' bf16 rope into krope. QK reads only
+        these tokens; P.V reads both halves after pbar."""
         toks = pl.ds(w * TOK, TOK)
         sc_all = plgpu.load(ring_sc.at[slot, toks], layout=scale_layout(), optimized=False)
         col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
@@ -230,7 +262,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
               x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
             kbuf[t // 2, toks, cols] = x
-          krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
+          if not held:
+            krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
 
         pl.when(n_valid >= (w + 1) * TOK)(lambda: convert(False))
         pl.when(n_valid < (w + 1) * TOK)(lambda: convert(True))
@@ -249,7 +282,17 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             for h in range(2):
               q_src = qn_ref.at[bg, :, pl.ds(h * HALF, HALF)] if fp8 else q_ref.at[bg, :, pl.ds(h * HALF, HALF)]
               plgpu.copy_gmem_to_smem(q_src, q_smem.at[h], qbar)
-            plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar)
+            if not held:
+              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar)
+          qr = None
+          if held:
+            # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
+            qr = plgpu.load(q_ref.at[b * g_count + grp, :, pl.ds(LATENT_DIM, ROPE_DIM)],
+                            layout=plgpu.Layout.WGMMA, optimized=False)
+            if not on_gpu:
+              # this warpgroup's previous QKs are done with its copy (wgmma_wait in qk)
+              qr_smem[w] = qr
+              plgpu.commit_smem()
           plgpu.barrier_wait(qbar)
           limit = (length - sq + 1 + q_index) if causal_rows else length
 
@@ -266,7 +309,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
               dequant(slot, n_valid)
               plgpu.commit_smem()               # this warpgroup's tiles visible to its wgmma
-              plgpu.barrier_arrive(consumed.at[slot])   # the fp8 slot is read: the producer may refill it
+              if not held:
+                plgpu.barrier_arrive(consumed.at[slot])   # the fp8 slot is read: the producer may refill it
 
             def qk(acc_ref):
               for cc in range(LATENT_DIM // CHUNK):
@@ -275,7 +319,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 else:
                   k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
                 plgpu.wgmma(acc_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
-              if fp8:
+              if held:
+                # the rope straight from the held slot; Q's rope from registers (interpret: this warpgroup's copy)
+                plgpu.wgmma(acc_ref, qr if on_gpu else qr_smem.at[w], ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
+              elif fp8:
                 plgpu.wgmma(acc_ref, qr_smem, krope.at[pl.ds(w * TOK, TOK)].T)
               else:
                 plgpu.wgmma(acc_ref, qr_smem, ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
@@ -283,6 +330,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, TOK), jnp.float32))
+            if held:
+              # this warpgroup's reads of the slot are done (dequant: fenced by commit_smem; QK: waited)
+              plgpu.barrier_arrive(consumed.at[slot])
             s = s * scale_log2
             s = jnp.where(j * PAGE + tok_iota < limit, s, -jnp.inf)
             m_mine = s.max(axis=1)

@@ -134,7 +134,8 @@ def test_backend_rules_for_mosaic():
     assert api.resolve_backend("auto", jnp.float32, device=gpu)[0] == "xla"
   # small weights stay on triton on Hopper (mosaic_sm90's lowering per process does not pay for them)
   hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H200")
-  assert api.resolve_backend("auto", jnp.bfloat16, device=hopper, weight_elems=7168 * 576)[0] == "mosaic_sm90"
+  for kn in (7168 * 576, 2048 * 7168 // 8):        # V3's kv_a; an expert's down projection under 8-way TP
+    assert api.resolve_backend("auto", jnp.bfloat16, device=hopper, weight_elems=kn)[0] == "mosaic_sm90"
   name, reason = api.resolve_backend("auto", jnp.bfloat16, device=hopper, weight_elems=256 * 1024)
   assert name == "triton" and "small weight" in reason
   assert api.resolve_backend("mosaic_sm90", jnp.bfloat16, device=hopper, weight_elems=256)[0] == "mosaic_sm90"

@@ -38,8 +38,10 @@ logger = logging.getLogger("pallas_kernels")
 BACKEND_NAMES = ("auto", "triton", "xla", "mosaic_sm90")
 _logged: set = set()
 KERNEL_BACKENDS = {"triton": triton, "mosaic_sm90": mosaic_sm90}   # backend name -> kernel module
-MOSAIC_MIN_WEIGHTS = 1 << 21          # K·N per expert from which auto takes mosaic_sm90 on Hopper (DeepSeek-V3's
-                                      # smallest AWQ linear, kv_a 7168 x 576, has 4.1M)
+# K·N per expert (per device, inside a shard_map island) from which auto takes mosaic_sm90 on Hopper. DeepSeek-V3's
+# smallest AWQ shard, an expert's down projection split 8 ways (2048 x 7168 / 8), has 1.8M; the embedded model's
+# largest AWQ linear 0.39M.
+MOSAIC_MIN_WEIGHTS = 1 << 20
 
 
 def _compute_capability(device) -> tuple[int, int] | None:

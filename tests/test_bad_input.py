@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -311,3 +312,31 @@ def test_embedded_model_missing_from_the_installation(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"embedded model 'tiny-deepseek-py' is not at .*pip install -e"):
         files.resolve_model_dir("tiny-deepseek-py")
+
+
+def test_failed_restore_drops_only_its_own_stray_read_reports(tmp_path, caplog):
+    """After one read of a restore fails, the other reads' never-awaited exceptions are logged by asyncio when
+    collected (a race: CI saw 17 traceback lines after the one-line error). restoring() drops exactly the reports
+    that name the failed directory; reports about anything else still reach the log."""
+    from mla_jax.checkpoint.errors import CheckpointError, restoring
+
+    failed, other = tmp_path / "conv" / "weights" / "layers.1", tmp_path / "elsewhere"
+    with pytest.raises(CheckpointError, match=r"layers\.1: cannot be read \(ValueError: OUT_OF_RANGE"):
+        with restoring(failed):
+            raise ValueError("OUT_OF_RANGE: Error reading x in OCDBT database")
+    report = ("Task exception was never retrieved\nfuture: <Task finished exception=ValueError('OUT_OF_RANGE: Error "
+              "reading \"y\" in OCDBT database at local file \"{}/\": Requested byte range [0, 8) is not valid')>")
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error(report.format(failed))
+        log.error(report.format(other))
+        log.error("Task exception was never retrieved: something unrelated")
+    kept = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(kept) == 2 and str(other) in kept[0] and "unrelated" in kept[1], kept
+    # a restore that completes forgets its directory: later reports naming it are not dropped
+    ok = tmp_path / "ok"
+    with restoring(ok):
+        pass
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error(report.format(ok))
+    assert any(str(ok) in r.getMessage() for r in caplog.records if r.name == "asyncio")

@@ -37,8 +37,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from mla_jax.checkpoint.errors import (RECONVERT, CheckpointError, ignore_closed_loop_reports, read_json,
-                                       restore_error)
+from mla_jax.checkpoint.errors import RECONVERT, CheckpointError, read_json, restoring
 from mla_jax.checkpoint.files import replace_dir
 from mla_jax.checkpoint.hf import hf_param_map, load_hf_weights, read_tensor_index, resolve_dtype
 from mla_jax.config import ModelConfig
@@ -299,11 +298,8 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
 def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
                 put: Callable[[tuple, np.ndarray], jax.Array], checksum_pool: Optional[ThreadPoolExecutor]) -> None:
     """One group read to the host, checked against the manifest (and crc32 with a pool), unpacked and put."""
-    ignore_closed_loop_reports()        # before the reads: a failed read's siblings report while it is raised
-    try:
+    with restoring(gdir):
         arrays = _restore_group(gdir, names)
-    except Exception as e:
-        raise restore_error(gdir, e) from e
     for name in names:
         a, e = arrays[name], entries[name]
         want_shape, want_dtype = tuple(e["shape"]), e["dtype"]
@@ -350,11 +346,8 @@ def _load_group_sharded(model, params: dict, entries: dict, gdir: str, names: li
                                  "with a device count that divides that")
         stored[name] = (shape, dtype, sharding)
         args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
-    ignore_closed_loop_reports()        # before the reads: a failed read's siblings report while it is raised
-    try:
+    with restoring(gdir):
         arrays = ocp.PyTreeCheckpointer().restore(gdir, args=ocp.args.PyTreeRestore(restore_args=args))
-    except Exception as e:
-        raise restore_error(gdir, e) from e
     for name in names:
         p, want = params[name]
         a = arrays.pop(name)

@@ -5,13 +5,14 @@ the layering, the checkpoint loaders, the tokenizer) can use it.
     read_json(file, what)        a JSON object from `file`, or CheckpointError (unreadable, invalid JSON, not an
                                  object)
     open_safetensors(file)       safetensors.safe_open, or CheckpointError (empty, truncated, not safetensors)
-    ignore_closed_loop_reports() drops the "Event loop is closed" reports orbax's outstanding reads make after a
-                                 failed restore (see the function)
+    restoring(directory)         context of one orbax restore: its failure as one CheckpointError, without the
+                                 stray reports of its other reads (see the function)
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 from typing import Any, Iterator
@@ -79,16 +80,41 @@ def _safetensors_reason(e: Exception) -> str:
 _ignoring = False
 
 
-def ignore_closed_loop_reports() -> None:
-    """When one read of an orbax restore fails, orbax closes its event loop while tensorstore still finishes the
-    other reads; each then reports RuntimeError('Event loop is closed') through sys.unraisablehook, a stray
-    traceback after the real error (already raised, naming the file). This drops exactly those reports and passes
-    every other one to the hook that was installed before. Installed once, before the first restore: installed only
-    after a failure, it raced the reports (seen in CI)."""
-    global _ignoring
-    if _ignoring:
+_restore_dirs: set[str] = set()     # absolute directories whose restore is running or has failed
+
+
+@contextlib.contextmanager
+def restoring(directory: str | os.PathLike) -> Iterator[None]:
+    """Wraps one orbax restore of `directory` (one weights group of a converted checkpoint): an exception becomes
+    restore_error(directory, exc), and the stray reports its other reads make after one read failed are dropped.
+
+    When one read fails, orbax raises at once while tensorstore's other reads of the same directory still finish:
+    (1) each then reports RuntimeError('Event loop is closed') through sys.unraisablehook, and (2) their futures'
+    exceptions, never awaited, are logged by asyncio ("Task exception was never retrieved", with the tensorstore
+    error naming the file) when the futures are collected. Both come after (or while) the real error is raised,
+    as tracebacks after the one-line error. The hook and the log filter are installed once, before the first
+    restore (installed only after a failure they raced the reports, seen in CI), and drop exactly those reports:
+    (1) always, (2) only when the logged exception names a directory whose restore is running or failed here.
+    Everything else reaches the hook and the logger as before."""
+    _install_report_filters()
+    paths = {os.path.abspath(os.fspath(directory)), os.path.realpath(os.fspath(directory))}
+    _restore_dirs.update(paths)
+    try:
+        yield
+    except Exception as e:
+        raise restore_error(directory, e) from e
+    _restore_dirs.difference_update(paths)     # read whole: later reports, if any, are not this failure's
+
+
+_installed = False
+_NEVER_RETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
+def _install_report_filters() -> None:
+    global _installed
+    if _installed:
         return
-    _ignoring = True
+    _installed = True
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -98,6 +124,12 @@ def ignore_closed_loop_reports() -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+
+    def sibling_read_failure(record) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith(_NEVER_RETRIEVED) and any(d in msg for d in _restore_dirs))
+
+    logging.getLogger("asyncio").addFilter(sibling_read_failure)
 
 
 def restore_error(directory: str | os.PathLike, exc: BaseException) -> CheckpointError:

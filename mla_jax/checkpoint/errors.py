@@ -77,9 +77,6 @@ def _safetensors_reason(e: Exception) -> str:
     return msg
 
 
-_ignoring = False
-
-
 _restore_dirs: set[str] = set()     # absolute directories whose restore is running or has failed
 
 

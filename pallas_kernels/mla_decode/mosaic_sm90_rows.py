@@ -139,60 +139,37 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   # and Q's rope is the rope wgmma's register A operand (no qr_smem): 2 slots fit only without both (NOTES.md)
   held = fp8 and stages > 1
 
-  if held:
-    scratch = dict(
-        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),         # Q latent (f16), by half
-        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
-        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+  # one list for the three paths (bf16; fp8 with 1 slot; fp8 with 2+ held slots), in one order
+  scratch = dict(q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16))      # Q latent (f16 for fp8), by half
+  if not held:
+    scratch["qr_smem"] = plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)          # Q rope
+  scratch.update(
+      ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn if fp8 else dt,
+                          transforms=_SWZ8 if fp8 else _SWZ16),
+      ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16))
+  if fp8:
+    scratch.update(
         ring_sc=plgpu.SMEM((stages, PAGE, LATENT_DIM // FP8_TILE), jnp.float32),
-        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16),           # the dequantized page, by latent half
-        pbuf=plgpu.SMEM((ROWS, PAGE), dt),
-        mx=plgpu.SMEM((2, ROWS), jnp.float32),
-        lx=plgpu.SMEM((2, ROWS), jnp.float32),
-        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),      # latent halves, rope, scales landed
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # both QKs done with the slot
-        qbar=plgpu.Barrier(num_arrivals=2),                             # Q latent halves landed
-        mbar=plgpu.Barrier(num_arrivals=2),
-        pbar=plgpu.Barrier(num_arrivals=2),
-        lbar=plgpu.Barrier(num_arrivals=2),
-        kfree=plgpu.Barrier(num_arrivals=2))                            # both P.V done with kbuf
-    if not on_gpu:
-      # interpret mode runs no register A operand: each warpgroup's copy of Q's rope goes through SMEM (as P)
-      scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
-  elif fp8:
-    scratch = dict(
-        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),         # Q latent (f16), by half
-        qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
-        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
-        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
-        ring_sc=plgpu.SMEM((stages, PAGE, LATENT_DIM // FP8_TILE), jnp.float32),
-        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16),           # the dequantized page, by latent half
-        krope=plgpu.SMEM((PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),   # its rope (frees the slot early)
-        pbuf=plgpu.SMEM((ROWS, PAGE), dt),
-        mx=plgpu.SMEM((2, ROWS), jnp.float32),
-        lx=plgpu.SMEM((2, ROWS), jnp.float32),
-        loaded=plgpu.Barrier(num_arrivals=4, num_barriers=stages),      # latent halves, rope, scales landed
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # both token halves dequantized
-        qbar=plgpu.Barrier(num_arrivals=3),
-        mbar=plgpu.Barrier(num_arrivals=2),
-        pbar=plgpu.Barrier(num_arrivals=2),
-        lbar=plgpu.Barrier(num_arrivals=2),
-        kfree=plgpu.Barrier(num_arrivals=2))                            # both P.V done with kbuf / krope
-  else:
-    scratch = dict(
-        q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),           # Q latent, by half
-        qr_smem=plgpu.SMEM((ROWS, ROPE_DIM), dt, transforms=_SWZ16),
-        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=_SWZ16),
-        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), dt, transforms=_SWZ16),
-        pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                # P; columns [32 w, +32) by warpgroup w
-        mx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-page row maxima, by warpgroup
-        lx=plgpu.SMEM((2, ROWS), jnp.float32),                            # per-segment row sums, by warpgroup
-        loaded=plgpu.Barrier(num_arrivals=3, num_barriers=stages),        # the 3 TMA copies of a page landed
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),      # ring slot free again
-        qbar=plgpu.Barrier(num_arrivals=3),                               # Q latent halves + rope landed
-        mbar=plgpu.Barrier(num_arrivals=2),                               # row maxima written (both QKs done)
-        pbar=plgpu.Barrier(num_arrivals=2),                               # P written (and tails zeroed)
-        lbar=plgpu.Barrier(num_arrivals=2))                               # row sums written (segment done)
+        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16))           # the dequantized page, by latent half
+  if fp8 and not held:
+    scratch["krope"] = plgpu.SMEM((PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)   # its rope (frees the slot early)
+  scratch.update(
+      pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                  # P; columns [32 w, +32) by warpgroup w
+      mx=plgpu.SMEM((2, ROWS), jnp.float32),                              # per-page row maxima, by warpgroup
+      lx=plgpu.SMEM((2, ROWS), jnp.float32),                              # per-segment row sums, by warpgroup
+      # a page landed: latent halves + rope (+ scales for fp8)
+      loaded=plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),
+      # slot free again: bf16 after P.V; fp8 after both dequants (1 slot) or both QKs (held)
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      qbar=plgpu.Barrier(num_arrivals=2 if held else 3),                  # Q latent halves (+ rope) landed
+      mbar=plgpu.Barrier(num_arrivals=2),                                 # row maxima written (both QKs done)
+      pbar=plgpu.Barrier(num_arrivals=2),                                 # P written (and tails zeroed)
+      lbar=plgpu.Barrier(num_arrivals=2))                                 # row sums written (segment done)
+  if fp8:
+    scratch["kfree"] = plgpu.Barrier(num_arrivals=2)                      # both P.V done with kbuf (/ krope)
+  if held and not on_gpu:
+    # interpret mode runs no register A operand: each warpgroup's copy of Q's rope goes through SMEM (as P)
+    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
   names = list(scratch)
 
   def body(*refs):

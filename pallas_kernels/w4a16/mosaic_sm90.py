@@ -55,12 +55,15 @@ WORD_ROWS = layout.CHUNK_K // layout.NIBBLES   # 32 word rows per chunk
 SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
-DEFAULT_CONFIG = dict(num_stages=None, target_programs=528, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True, persistent=False, num_ctas=None)
+DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
+                      producer_registers=40, overlap=True, persistent=True, num_ctas=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
-# column tile, K split) round-robin with one ring across them, instead of one CTA per unit. Unmeasured.
+# column tile, K split) round-robin with one ring across them, instead of one CTA per unit (H200, c51141d: MoE
+# T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
+# with 528; dense 7168x18432 M = 1 / 128 44.6 / 122.8 -> 32.2 / 107.7 µs, but 150.7 at M = 128 with 264).
+# target_programs: the K splits aim at this many work units (fewer splits, less partial-sum traffic).
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A

@@ -279,3 +279,15 @@ def test_generate_equals_the_stream_it_no_longer_builds():
         assert o.text == s.text and len(o.token_ids) == params[i].max_tokens
         assert "".join(e.text for e in events[:-1] if e.index == i) == o.text
         assert o.metrics["time_to_first_token_s"] is not None and o.metrics["time_to_first_token_s"] > 0
+
+
+def test_decode_loop_is_one_cuda_graph_on_gpus_unless_the_user_set_command_buffers():
+    from mla_jax.engine.runner import GPU_LOOP_COMMAND_BUFFERS, decode_loop_compiler_options
+    opts = decode_loop_compiler_options("gpu", xla_flags="--xla_gpu_autotune_level=0")
+    assert opts["xla_gpu_enable_command_buffer"] == GPU_LOOP_COMMAND_BUFFERS
+    assert {"WHILE", "CONDITIONAL"} <= set(GPU_LOOP_COMMAND_BUFFERS.split(","))
+    assert decode_loop_compiler_options("cpu", xla_flags="") is None
+    assert decode_loop_compiler_options("gpu", xla_flags="--xla_gpu_enable_command_buffer=FUSION") is None
+    # XLA accepts every name in the list (a misspelt type fails at compile time, so compile something with it)
+    f = jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_enable_command_buffer": GPU_LOOP_COMMAND_BUFFERS})
+    assert float(f(jnp.float32(1))) == 2.0

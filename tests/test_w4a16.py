@@ -231,3 +231,33 @@ def test_kernel_orientations_vs_float64(orient):
   ym = api.w4a16_moe(xm, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="triton", interpret=True,
                      config=dict(orient=orient))
   assert max_rel(ym, moe_ref64(xm, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
+def test_layers_of_one_shape_trace_the_op_once(monkeypatch):
+  """Each op body is its own jit, so a model's layers of one shape trace (and lower) it once per program."""
+  rng = np.random.default_rng(11)
+  e, d, i, g, t, k = 4, 256, 128, 64, 3, 2
+  _, _, _, w13, w2 = make_moe(rng, e, d, i, g)
+  q, z, s = rand_awq(rng, 256, 192, 64)
+  dense = to_device(layout.pack(q, z, s, 64, xp=np))
+  traced = {"moe": 0, "matmul": 0}
+  moe_ref, matmul_ref = api.reference.moe, api.reference.matmul
+  monkeypatch.setattr(api.reference, "moe", lambda *a, **kw: traced.__setitem__("moe", traced["moe"] + 1)
+                      or moe_ref(*a, **kw))
+  monkeypatch.setattr(api.reference, "matmul", lambda *a, **kw: traced.__setitem__("matmul", traced["matmul"] + 1)
+                      or matmul_ref(*a, **kw))
+  api._moe.clear_cache()
+  api._matmul.clear_cache()
+  ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+  wts = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
+
+  def three_layers(x):
+    for _ in range(3):
+      x = x + api.w4a16_moe(x, ids, wts, w13, w2, backend="xla")
+    return api.w4a16_matmul(x, dense, backend="xla"), api.w4a16_matmul(x * 2, dense, backend="xla")
+
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+  y1, y2 = jax.jit(three_layers)(x)
+  assert traced == {"moe": 1, "matmul": 1}
+  # and the cached trace computes what each call asked for
+  np.testing.assert_allclose(np.asarray(y2), 2 * np.asarray(y1), rtol=2e-5, atol=1e-5)

@@ -33,10 +33,10 @@ latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barr
 f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs it when Sq·H is a multiple of 64 (H200 h128:
 281 TFLOP/s against the swapped kernel's 163).
 
-fp8 with num_stages=2 (opt-in, unmeasured): each slot stays held until both warpgroups' QKs are done with it, so
-QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after QK; Q's rope is loaded from
-GMEM once a segment into registers, the rope wgmma's A operand (interpret mode: through a per-warpgroup SMEM copy).
-Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
+fp8 with num_stages=2 (opt-in; 3% slower on an H200, NOTES.md): each slot stays held until both warpgroups'
+QKs are done with it, so QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after
+QK; Q's rope is loaded from GMEM once a segment into registers, the rope wgmma's A operand (interpret mode:
+through a per-warpgroup SMEM copy). Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
 
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
@@ -109,13 +109,13 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
-  fit only without the rope copies, Q's rope then in registers; not yet measured on a GPU, NOTES.md)."""
+  fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md)."""
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  stages = (1 if fp8 else 2) if num_stages is None else int(num_stages)   # fp8 num_stages=2: unmeasured
+  stages = (1 if fp8 else 2) if num_stages is None else int(num_stages)   # fp8 num_stages=2: measured 3% slower
   if stages < 1 or smem_bytes(stages, fp8) > SMEM_LIMIT:
     fitting = [s for s in (1, 2) if smem_bytes(s, fp8) <= SMEM_LIMIT]
     raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages ({'fp8' if fp8 else 'bf16'} cache) need "

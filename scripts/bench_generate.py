@@ -290,7 +290,7 @@ def bench_v3_slice(args, info) -> dict:
     from flax import nnx
 
     import pallas_kernels
-    from pallas_kernels.testing import compare
+    from pallas_kernels.testing import compare, device_time
     from pallas_kernels import resolve_backend
     from mla_jax.engine.sampling import sample
     from mla_jax.engine.steps import allocate_caches, decode_step, split_model
@@ -360,6 +360,12 @@ def bench_v3_slice(args, info) -> dict:
             out[f"{kind}_mlp_one_layer_ms_median"] = 1e3 * statistics.median(ts)
             print(f"  {kind} MLP (layer {i}) alone, {B} rows: {out[f'{kind}_mlp_one_layer_ms_median']:.2f} ms",
                   flush=True)
+            # and its kernels (CUPTI on a GPU): which part of the layer is not the int4 GEMMs
+            dev = device_time(mlp, weights, x, iters=args.iters)
+            out[f"{kind}_mlp_device"] = dev
+            top = sorted(dev.get("kernels", {}).items(), key=lambda kv: -kv[1])[:10]
+            print(f"    device {dev['us']:.1f} us ({dev['method'][:40]})" + "".join(
+                f"\n      {us:9.1f} us  {name}" for name, us in top), flush=True)
         except Exception as e:
             out[f"{kind}_mlp_error"] = f"{type(e).__name__}: {e}"
             print(f"  {kind} MLP timing FAILED: {out[f'{kind}_mlp_error'][:300]}", flush=True)

@@ -441,18 +441,22 @@ def assert_same(outs, ref):
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("tp,dp,dispatch", [(2, False, "all_gather"), (4, False, "all_gather"),
-                                            (8, True, "all_gather"), (2, False, "all_to_all"),
-                                            (8, True, "all_to_all")])
-def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outputs, tp, dp, dispatch):
+@pytest.mark.parametrize("tp,dp,dispatch,fused", [(2, False, "all_gather", True), (4, False, "all_gather", True),
+                                                  (8, True, "all_gather", True), (2, False, "all_to_all", True),
+                                                  (8, True, "all_to_all", True), (2, False, "all_gather", False),
+                                                  (8, True, "all_gather", False)])
+def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outputs, tp, dp, dispatch, fused):
+    """fused: the decode fast path (multi-step while loop, overlap) over the mesh; else the plain path."""
     ref, _ = one_device_outputs
     llm = make_llm(tensor_parallel_size=tp, data_parallel_attention=dp, num_pages=24 if not dp else 32,
-                   expert_dispatch=dispatch)
+                   expert_dispatch=dispatch, fused_decode=fused)
     assert llm.sharding_plan.expert_dispatch == dispatch
+    assert (llm._fast is not None) == fused
     decode_before = llm._decode_fn._cache_size()     # jit caches are per function, shared by LLM instances
     assert_same(llm.generate(PROMPTS, greedy()), ref)
-    # all prompts prefill in one step, then every decode step has the same batch: one decode compilation
-    assert llm._decode_fn._cache_size() - decode_before == 1
+    # all prompts prefill in one step, then every decode step has the same batch: one plain decode compilation,
+    # or none when every decode step ran in the fast path's loop
+    assert llm._decode_fn._cache_size() - decode_before == (0 if fused else 1)
     compiles = llm.num_compiles()
     assert_same(llm.generate(PROMPTS, greedy()), ref)
     assert llm.num_compiles() == compiles

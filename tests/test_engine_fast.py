@@ -291,3 +291,26 @@ def test_decode_loop_is_one_cuda_graph_on_gpus_unless_the_user_set_command_buffe
     # XLA accepts every name in the list (a misspelt type fails at compile time, so compile something with it)
     f = jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_enable_command_buffer": GPU_LOOP_COMMAND_BUFFERS})
     assert float(f(jnp.float32(1))) == 2.0
+
+
+def test_multi_step_pages_are_checked_per_device_pool_with_data_parallel_attention():
+    """With data-parallel attention a sequence grows only inside its device's pool: k steps go ahead only if every
+    device has the pages its own sequences need, and a refusal allocates nothing."""
+    from types import SimpleNamespace
+    from mla_jax.engine.pools import DevicePagePools
+    from mla_jax.engine.runner import FastDecoder
+    pools = DevicePagePools(num_pages=16, page_size=4, num_devices=2, max_seqs_per_device=4)
+    a = SimpleNamespace(pages=pools.allocate(6))            # device with the most free pages: 0 (tie -> lowest)
+    b = SimpleNamespace(pages=pools.allocate(1))            # now device 1
+    assert (pools.device_of(a.pages), pools.device_of(b.pages)) == (0, 1)
+    assert (pools.num_free_on(0), pools.num_free_on(1), pools.num_free) == (1, 6, 7)
+    fd = FastDecoder.__new__(FastDecoder)
+    fd.llm = SimpleNamespace(allocator=pools)
+    # a's next 8 tokens (positions 24..31) need 2 more pages on device 0, which has 1: refused, though the two
+    # pools together have 7
+    assert not fd._take_pages([(a, 24, 100), (b, 3, 100)], 8)
+    assert (len(a.pages), len(b.pages), pools.num_free_on(0), pools.num_free_on(1)) == (6, 1, 1, 6)
+    # 4 steps: a needs 1 page (device 0 has it), b 1 (device 1)
+    assert fd._take_pages([(a, 24, 100), (b, 3, 100)], 4)
+    assert (len(a.pages), len(b.pages), pools.num_free_on(0), pools.num_free_on(1)) == (7, 2, 0, 5)
+    assert pools.device_of(a.pages) == 0 and pools.device_of(b.pages) == 1

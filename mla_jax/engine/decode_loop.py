@@ -93,13 +93,14 @@ def _unpack(layout: InputLayout, buf: jax.Array) -> tuple[jax.Array, dict]:
 
 def decode_loop(graphdef, weights, caches: Sequence, buf: jax.Array, prev_tokens: jax.Array,
                 prev_stopped: jax.Array, *, layout: InputLayout, max_steps: int, page_size: int,
-                backend: str, interpret: bool = False):
+                backend: str, interpret: bool = False, plan=None):
     """Up to max_steps decode steps with sampling and stop checks (module docstring).
 
     buf: pack_inputs(layout, ...). prev_tokens int32 [B] / prev_stopped bool [B]: the previous call's last tokens
-    and stopped flags (any values when no row continues one: prev_row -1 everywhere). Returns (caches, result int32 [2 * max_steps + 1, B] = sampled
-    tokens [max_steps, B] | logprobs as float32 bits [max_steps, B] | stopped flags [1, B], last tokens [B],
-    stopped [B]). Tokens of rows and steps past a row's stop (or past the steps run) are -1.
+    and stopped flags (any values when no row continues one: prev_row -1 everywhere). Returns (caches, result
+    int32 [2 * max_steps + 1, B] = sampled tokens [max_steps, B] | logprobs as float32 bits [max_steps, B] |
+    stopped flags [1, B], last tokens [B], stopped [B]). Tokens of rows and steps past a row's stop (or past the
+    steps run) are -1. plan: the mla_jax.sharding.ShardingPlan each step runs under (None: one device).
     """
     num_steps, x = _unpack(layout, buf)
     B = layout.batch
@@ -123,7 +124,7 @@ def decode_loop(graphdef, weights, caches: Sequence, buf: jax.Array, prev_tokens
         seq_lens = jnp.where(stopped, 0, pos + 1)
         # the loop carries the caches stored (cache_storage.py), so fp8 writes stay in place
         caches, logits = decode_step(graphdef, weights, from_stored(caches), tokens, pos, slots, block_table,
-                                     seq_lens, backend=backend, interpret=interpret)
+                                     seq_lens, backend=backend, interpret=interpret, plan=plan)
         caches = as_stored(caches)
         new, logprobs = sample(logits, x["temperature"], x["top_k"], x["top_p"], x["seeds"], x["steps"] + i)
         new = jnp.where(stopped, -1, new)

@@ -89,7 +89,8 @@ class LLM:
         ("all_gather", the reference and default, or "all_to_all"; mla_jax.expert_parallel).
     fused_decode: decode through the fast path (engine/runner.py: sampling and stop checks fused into the step's
         jit, one transfer each way per call); False runs the plain path (one decode and one sampling call per
-        step, tokens read every step). Same tokens either way. One device only: a sharding plan uses the plain path.
+        step, tokens read every step). Same tokens either way. An engine spanning several processes
+        (jax.distributed) uses the plain path.
     multi_step: with fused_decode, decode steps per device call while no request can join (default 8).
     overlap: with fused_decode, dispatch the next decode call before reading the current one's tokens.
     """
@@ -218,15 +219,15 @@ class LLM:
         # sampled tokens are read by the host of every process: replicated
         self._sample_fn = (_SAMPLE_FN if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
-        # the decode fast path (fused sampling, multi-step, overlap): one device only for now
+        # the decode fast path (fused sampling, multi-step, overlap): one device, or a mesh within one process
         if not isinstance(fused_decode, bool) or not isinstance(overlap, bool):
             raise ValueError(f"fused_decode and overlap must be bools, got {fused_decode!r} and {overlap!r}")
         self._fast = None
-        if fused_decode and sharding_plan is None:
+        if fused_decode and (sharding_plan is None or jax.process_count() == 1):
             self._fast = FastDecoder(self, multi_step=multi_step, overlap=overlap)
         elif fused_decode:
-            logger.info("LLM: the fused / multi-step / overlapped decode runs on one device only; this sharded "
-                        "engine decodes one step per call (fused_decode=False)")
+            logger.info("LLM: the fused / multi-step / overlapped decode runs within one process; this engine spans "
+                        "%d processes and decodes one step per call (fused_decode=False)", jax.process_count())
         logger.info("LLM: %d layers, dtype %s, kv cache %s x %d pages of %d tokens, backend %s, max_model_len %d, "
                     "max_num_seqs %d, chunk %d", cfg.num_hidden_layers, self.dtype, self.kv_cache_dtype, num_pages,
                     page_size, self.backend, max_model_len, max_num_seqs, max_num_batched_tokens)

@@ -48,6 +48,10 @@ class DevicePagePools:
     def pages_for(self, num_tokens: int) -> int:
         return self._pools[0].pages_for(num_tokens)
 
+    def num_free_on(self, device: int) -> int:
+        """Free pages in device's pool (what the sequences on that device can still grow into)."""
+        return self._pools[device].num_free
+
     def device_of(self, pages) -> int:
         devices = {int(p) // self.pages_per_device for p in pages}
         if len(devices) != 1:

@@ -17,6 +17,10 @@
   preemption, requests added or aborted between calls) first reads the in-flight call and then goes through the
   Scheduler exactly as the plain path does.
 
+With a sharding plan (one process) the same call runs over the mesh: the packed inputs are replicated, the caches
+keep their shardings through the call (out_shardings) and the result comes back replicated; with data-parallel
+attention the k steps' pages must fit in each device's own pool.
+
 Each request's tokens are the plain path's (same per-request seeds, same stop rule replayed on the host by
 Scheduler.check_stop, which the device's rule mirrors); only the step at which a finished request's slot is
 reused can come one call later. An in-flight token of a request aborted between calls is discarded (its pages
@@ -30,12 +34,12 @@ import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import paged
 from .cache_storage import as_stored, from_stored
 from .decode_loop import InputLayout, decode_loop, pack_inputs, split_result
+from .pools import DevicePagePools
 from .scheduler import Request, Status
 
 
@@ -92,16 +96,22 @@ class FastDecoder:
         leaves, treedef = jax.tree.flatten(llm.weights)
         self._weight_leaves = leaves
         graphdef, backend, interpret, ps, steps = llm.graphdef, llm.backend, llm.interpret, llm.page_size, multi_step
+        plan = llm.sharding_plan
 
         def call(weight_leaves, caches, buf, prev_tokens, prev_stopped, *, layout):
             weights = jax.tree.unflatten(treedef, weight_leaves)
             caches, *out = decode_loop(graphdef, weights, from_stored(caches), buf, prev_tokens, prev_stopped,
                                        layout=layout, max_steps=steps, page_size=ps, backend=backend,
-                                       interpret=interpret)
+                                       interpret=interpret, plan=plan)
             return (as_stored(caches), *out)
 
+        sharded = {}
+        if plan is not None:
+            # caches keep their layout across calls (donated in place); tokens and flags are read by the host
+            rep = plan.replicated_sharding
+            sharded["out_shardings"] = (jax.tree.map(lambda a: a.sharding, llm.caches), rep, rep, rep)
         self.fn = jax.jit(call, static_argnames=("layout",), donate_argnums=(1,),
-                          compiler_options=decode_loop_compiler_options(jax.default_backend()))
+                          compiler_options=decode_loop_compiler_options(jax.default_backend()), **sharded)
 
     # ---- one engine step -----------------------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
@@ -142,9 +152,18 @@ class FastDecoder:
 
     def _take_pages(self, plan: list[tuple[Request, int, int]], k: int) -> bool:
         """Allocates, for every (request, first position, remaining) in plan, the pages of min(k, remaining)
-        steps, if the pool has them all; else allocates nothing and returns False."""
+        steps, if the pool has them all (each device's pool, with data-parallel attention); else allocates nothing
+        and returns False."""
+        alloc = self.llm.allocator
         needs = [(r, self._extra_pages(r, pos, min(k, rem))) for r, pos, rem in plan]
-        if sum(n for _, n in needs) > self.llm.allocator.num_free:
+        if isinstance(alloc, DevicePagePools):
+            per_device: dict[int, int] = {}
+            for r, n in needs:
+                d = alloc.device_of(r.pages)
+                per_device[d] = per_device.get(d, 0) + n
+            if any(n > alloc.num_free_on(d) for d, n in per_device.items()):
+                return False
+        elif sum(n for _, n in needs) > alloc.num_free:
             return False
         for r, n in needs:
             if n:
@@ -220,12 +239,12 @@ class FastDecoder:
                 f["tokens"][i] = r.last_token_id
             expect[i] = min(k, rem)
         f["block_table"] = paged.block_table([r.pages if r is not None else [] for r in rows], B, W)
-        buf = pack_inputs(layout, k, **f)
+        (buf,) = llm._put(pack_inputs(layout, k, **f))        # with a sharding plan: replicated over the mesh
         if prev is not None:
             prev_tokens, prev_stopped = prev.last_tokens, prev.stopped
         else:
             if B not in self._zeros:
-                self._zeros[B] = (jnp.zeros(B, jnp.int32), jnp.ones(B, bool))
+                self._zeros[B] = tuple(llm._put(np.zeros(B, np.int32), np.ones(B, bool)))
             prev_tokens, prev_stopped = self._zeros[B]
         t = time.perf_counter()
         llm.caches, result, last, stopped = self.fn(self._weight_leaves, llm.caches, buf, prev_tokens, prev_stopped,

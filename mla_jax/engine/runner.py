@@ -45,8 +45,8 @@ from .scheduler import Request, Status
 
 # XLA runs a lax.while_loop from the host: each iteration launches the body's kernels one by one and copies the
 # predicate back. With the command-buffer types WHILE and CONDITIONAL (not in XLA's default list, which is the rest
-# of this one) the whole loop is one CUDA graph with a device-side loop. H200, embedded model, commit 75d34db:
-# decode step 0.75 -> 0.46 ms at batch 1 and 1.41 -> 0.65 ms at batch 64 (30.9k -> 55.2k tok/s; NOTES.md).
+# of this one) the whole loop is one CUDA graph with a device-side loop. H200, embedded model (NOTES.md): decode
+# step 0.75 -> 0.45 ms at batch 1 and 1.41 -> 0.65-0.79 ms at batch 64 (30.9k -> 45-55k tok/s).
 GPU_LOOP_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 
 

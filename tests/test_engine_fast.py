@@ -314,3 +314,24 @@ def test_multi_step_pages_are_checked_per_device_pool_with_data_parallel_attenti
     assert fd._take_pages([(a, 24, 100), (b, 3, 100)], 4)
     assert (len(a.pages), len(b.pages), pools.num_free_on(0), pools.num_free_on(1)) == (7, 2, 0, 5)
     assert pools.device_of(a.pages) == 0 and pools.device_of(b.pages) == 1
+
+
+def test_a_continuation_reuses_the_first_calls_compiled_variant():
+    """The first call of a batch and the calls that continue it on the device (overlap) have the same layout and
+    must share one compiled variant: the first call's 'previous tokens' are placed as a call's outputs are."""
+    llm = engine(multi_step=4, overlap=True, max_model_len=64, num_pages=40)
+    fd = llm._fast
+    continued = []
+    dispatch = fd._dispatch
+
+    def spy(rows, k, *, base, prev):
+        continued.append(prev is not None)
+        return dispatch(rows, k, base=base, prev=prev)
+
+    fd._dispatch = spy
+    before = fd.num_compiles()
+    # 20 prompt tokens + 12 new ones stay within a block table of 8 pages of 4: one layout for every call
+    out = llm.generate([list(range(3, 23))], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(out[0].token_ids) == 12
+    assert continued[0] is False and any(continued[1:]), continued
+    assert fd.num_compiles() - before == 1

@@ -34,6 +34,7 @@ import time
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import paged
@@ -244,7 +245,12 @@ class FastDecoder:
             prev_tokens, prev_stopped = prev.last_tokens, prev.stopped
         else:
             if B not in self._zeros:
-                self._zeros[B] = tuple(llm._put(np.zeros(B, np.int32), np.ones(B, bool)))
+                # device arrays placed as a previous call's outputs are: a NumPy or differently placed argument
+                # here would compile the call a second time for its first continuation
+                zeros = (jnp.zeros(B, jnp.int32), jnp.ones(B, bool))
+                if llm.sharding_plan is not None:
+                    zeros = jax.device_put(zeros, llm.sharding_plan.replicated_sharding)
+                self._zeros[B] = zeros
             prev_tokens, prev_stopped = self._zeros[B]
         t = time.perf_counter()
         llm.caches, result, last, stopped = self.fn(self._weight_leaves, llm.caches, buf, prev_tokens, prev_stopped,

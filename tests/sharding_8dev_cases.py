@@ -473,6 +473,26 @@ def test_llm_sharded_greedy_tokens_and_logprobs_match_one_device(one_device_outp
         assert shard_shapes(q_b) == {(32, 8 * 80 // tp)}
 
 
+@pytest.mark.parametrize("tp,dp", [(2, False), (8, True)])
+def test_llm_sharded_fast_path_continuations_reuse_the_first_calls_variant(tp, dp):
+    """Over a mesh the first decode call's 'previous tokens' are placed as the call's outputs are, so the calls
+    that continue it on the device (overlap) run the same compiled variant."""
+    import mla_jax
+    llm = make_llm(tensor_parallel_size=tp, data_parallel_attention=dp, num_pages=32, multi_step=4)
+    fd, continued = llm._fast, []
+    dispatch = fd._dispatch
+
+    def spy(rows, k, *, base, prev):
+        continued.append(prev is not None)
+        return dispatch(rows, k, base=base, prev=prev)
+
+    fd._dispatch = spy
+    out = llm.generate([list(range(3, 23))], mla_jax.SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(out[0].token_ids) == 12
+    assert continued == [False, True, True]
+    assert fd.num_compiles() == 1
+
+
 @pytest.mark.parametrize("dp", [False, True])
 def test_llm_sharded_fp8_cache_second_generate_compiles_nothing(dp):
     """A sharded fp8 cache starts in the engine's stored form (uint8 bits), as every step leaves it: allocated as

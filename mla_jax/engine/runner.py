@@ -40,7 +40,6 @@ import numpy as np
 from . import paged
 from .cache_storage import as_stored, from_stored
 from .decode_loop import InputLayout, decode_loop, pack_inputs, split_result
-from .pools import DevicePagePools
 from .scheduler import Request, Status
 
 
@@ -157,14 +156,14 @@ class FastDecoder:
         and returns False."""
         alloc = self.llm.allocator
         needs = [(r, self._extra_pages(r, pos, min(k, rem))) for r, pos, rem in plan]
-        if isinstance(alloc, DevicePagePools):
-            per_device: dict[int, int] = {}
-            for r, n in needs:
-                d = alloc.device_of(r.pages)
-                per_device[d] = per_device.get(d, 0) + n
-            if any(n > alloc.num_free_on(d) for d, n in per_device.items()):
-                return False
-        elif sum(n for _, n in needs) > alloc.num_free:
+        pools: list[list] = []            # [pages of a sequence in the pool, pages wanted from that pool]
+        for r, n in needs:
+            pool = next((p for p in pools if alloc.shares_pool(p[0], r.pages)), None)
+            if pool is None:
+                pools.append([r.pages, n])
+            else:
+                pool[1] += n
+        if not all(alloc.can_allocate(n, near=pages) for pages, n in pools):
             return False
         for r, n in needs:
             if n:

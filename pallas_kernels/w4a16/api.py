@@ -131,13 +131,17 @@ def w4a16_matmul(x: jax.Array, weight: layout.W4A16Weight, *, backend: str = "au
 
 
 def _frozen(config: dict | None):
-  """A kernel config as a hashable static argument (None stays None)."""
+  """A kernel config as a hashable static argument (None stays None); _thawed undoes it."""
   if config is None:
     return None
   try:
     return tuple(sorted(config.items()))
   except AttributeError:
     raise ValueError(f"w4a16: config must be a dict of kernel options, got {config!r}.") from None
+
+
+def _thawed(config):
+  return None if config is None else dict(config)
 
 
 # Each op body is its own jit: a model's layers of one shape are traced and lowered once per program instead of
@@ -147,9 +151,7 @@ def _frozen(config: dict | None):
 def _matmul(x, weight, *, name, interpret, config, out_dtype):
   if name == "xla":
     return reference.matmul(x, weight, out_dtype=out_dtype)
-  return KERNEL_BACKENDS[name].matmul(x, weight, interpret=interpret,
-                                      config=None if config is None else dict(config),
-                                      out_dtype=out_dtype)
+  return KERNEL_BACKENDS[name].matmul(x, weight, interpret=interpret, config=_thawed(config), out_dtype=out_dtype)
 
 
 def default_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -193,15 +195,13 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
 
 @functools.partial(jax.jit, static_argnames=("name", "interpret", "block_m", "config"))
 def _moe(x, topk_ids, topk_weights, w13, w2, *, name, interpret, block_m, config):
-  config = None if config is None else dict(config)
-  t, k = topk_ids.shape
-  num_experts = w13.lead_shape[0]
-  bm = block_m
   if name == "xla":
-    return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=bm)
-  rt = routing.align(topk_ids, topk_weights, num_experts, bm)
-  busy = min(rt.num_blocks, num_experts, t * k)          # blocks expected in use: sizes the K split
+    return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=block_m)
+  num_experts = w13.lead_shape[0]
+  rt = routing.align(topk_ids, topk_weights, num_experts, block_m)
+  busy = min(rt.num_blocks, num_experts, topk_ids.size)    # blocks expected in use: sizes the K split
   if name == "mosaic_sm90":
-    return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config).astype(x.dtype)
-  rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config)
+    return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret,
+                           config=_thawed(config)).astype(x.dtype)
+  rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=_thawed(config))
   return routing.combine(rows, rt).astype(x.dtype)

@@ -166,6 +166,7 @@ def main(argv=None):
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
   ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
   ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep")
+  ap.add_argument("--sweep-groups", default="64", help="MoE quantization group sizes for --sweep")
   ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
   ap.add_argument("--backends", default="triton",
                   help="comma-separated kernel backends to time, e.g. triton,mosaic_sm90 (mosaic_sm90: Hopper only)")
@@ -206,7 +207,8 @@ def main(argv=None):
         break
       sweep_rows = []
       try:
-        bench_moe(sweep_rows, ceiling, sweep_ts, (64,), (), config=cfg, check_ts=sweep_ts[:1],
+        bench_moe(sweep_rows, ceiling, sweep_ts, tuple(int(g) for g in args.sweep_groups.split(",")), (),
+                  config=cfg, check_ts=sweep_ts[:1],
                   backend=args.sweep_backend)
         bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
                     backend=args.sweep_backend)

@@ -56,8 +56,8 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True, persistent=True, num_ctas=None, scale_on_acc=None,
-                      static_slots=False)
+                      producer_registers=40, overlap=True, persistent=True, num_ctas=None,
+                      prefetch_words=True)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -65,13 +65,9 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
 # with 528; dense 7168x18432 M = 1 / 128 44.6 / 122.8 -> 32.2 / 107.7 µs, but 150.7 at M = 128 with 264).
 # target_programs: the K splits aim at this many work units (fewer splits, less partial-sum traffic).
-# scale_on_acc: A = q - z (exact in bf16) and each quantization group's products land in their own f32
-# accumulator, scaled into the running sum by s after the wgmma (one FFMA per accumulator element per group)
-# instead of multiplying every weight by s before it (one HMUL2 per 2 weights). The kernel is issue-bound (ncu,
-# H200: 3.5 instructions per weight, 66-74% of issue slots used), so this pays where a chunk's groups times the
-# accumulator's registers are fewer than the 64 HMUL2 it removes: gpc * block_m < 128 (None: that rule).
-# static_slots: each chunk's body is specialised per ring slot (a switch), so its SMEM addresses are constants:
-# the dynamic slot costs ~5 uniform-datapath instructions per wgmma descriptor (SASS, ~80 of ~440 per chunk).
+# prefetch_words: a consumer loads chunk i + 1's words from shared memory before it decodes chunk i. The kernel is
+# issue-bound (ncu, H200: 3.4-3.8 instructions per weight, 66-74% of issue slots used, the largest stall a
+# shared-memory load's scoreboard at the top of each chunk), so hiding that latency is the next lever.
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -181,22 +177,6 @@ def _store_transposed_gpu(acc, out_ref):
   store(acc, out_ref)
 
 
-def _zeros_wgmma(shape, on_gpu: bool):
-  z = jnp.zeros(shape, jnp.float32)
-  return plgpu.layout_cast(z, plgpu.Layout.WGMMA) if on_gpu else z
-
-
-def _zeros_row(on_gpu: bool):
-  z = jnp.zeros((SUB_N,), jnp.float32)
-  return plgpu.layout_cast(z, _ROW) if on_gpu else z
-
-
-def scale_on_acc_pays(block_m: int, group: int) -> bool:
-  """Whether scaling each group's f32 products (gpc * block_m / 2 FFMA per thread and chunk) beats folding s into
-  every weight (64 HMUL2 per thread and chunk)."""
-  return (layout.CHUNK_K // group) * block_m < 128
-
-
 def smem_bytes(block_m: int, group: int, stages: int) -> int:
   per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
                + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * 3
@@ -216,11 +196,9 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 scale_on_acc: bool = False, static_slots: bool = False):
+                 prefetch_words: bool = False):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
-  if scale_on_acc and (gpc % 2 or not overlap):
-    raise ValueError("w4a16 mosaic_sm90: scale_on_acc needs an even number of groups per chunk and overlap=True.")
   ppg = group // PLANE                           # planes per group
   stages = num_stages
   on_gpu = not interpret
@@ -335,113 +313,51 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def on_slot(slot, fn, carry):
-          """fn(slot, carry); with static_slots, through a switch over the ring's slots so that every SMEM
-          address in fn (the wgmma descriptors above all) is a constant offset."""
-          if not static_slots:
-            return fn(slot, carry)
-          return lax.switch(slot, [functools.partial(fn, sl) for sl in range(stages)], carry)
-
-        def scale_zero(slot, gi):
+        def load_words(slot):
           if on_gpu:
-            return (plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False),
-                    plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False))
-          return ring_s[slot, w, gi], ring_z[slot, w, gi]
+            return plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
+          return ring_w[slot, w]
 
-        def wgmma_plane(acc_ref, a, slot, j):
-          xt = ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)].transpose((1, 0))     # [32, bm]
-          if on_gpu:
-            plgpu.wgmma(acc_ref, a, xt)
-          else:
-            r["a_smem"][w] = a
-            plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
-
-        def chunk_products(acc_ref, slot):
+        def chunk_products(acc_ref, slot, words):
           zs_list = []
           for gi in range(gpc):
-            s, z = scale_zero(slot, gi)
+            if on_gpu:
+              s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
+              z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
+            else:
+              s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
             s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
             z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             zs_list += [lax.broadcast_in_dim(z16, (SUB_N, PLANE), [0]), lax.broadcast_in_dim(s16, (SUB_N, PLANE), [0])]
-          if on_gpu:
-            words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            planes = _decode_planes_gpu(words)
-          else:
-            planes = _decode_planes_jnp(ring_w[slot, w])
+          planes = _decode_planes_gpu(words) if on_gpu else _decode_planes_jnp(words)
           weights = [(planes[j] - zs_list[2 * (j // ppg)]) * zs_list[2 * (j // ppg) + 1]      # (q - z) * s, bf16
                      for j in range(layout.NIBBLES)]
           for j in range(layout.NIBBLES):
-            wgmma_plane(acc_ref, weights[j], slot, j)
-
-        def chunk_grouped(tmps, slot, acc, pending, release_prev):
-          """scale_on_acc: group gi's products (A = q - z, exact) go to tmps[gi % 2]; once they are issued, the
-          previous group's (this chunk's gi - 1, or the previous chunk's last) are awaited and added as
-          acc += s * products. `pending` = (that group's scale,) on the GPU, where its products are still in flight
-          in tmps[1]; interpret mode runs wgmma synchronously and carries (scale, products) as values."""
-          if on_gpu:
-            planes = _decode_planes_gpu(plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False))
-          else:
-            planes = _decode_planes_jnp(ring_w[slot, w])
-          for gi in range(gpc):
-            s, z = scale_zero(slot, gi)
-            zc = lax.broadcast_in_dim((z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16), (SUB_N, PLANE), [0])
-            group_planes = range(gi * ppg, (gi + 1) * ppg)
+            xt = ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)].transpose((1, 0))     # [32, bm]
             if on_gpu:
-              t = tmps[gi % 2]
-              t[...] = _zeros_wgmma((SUB_N, block_m), on_gpu)
-              for j in group_planes:
-                wgmma_plane(t, planes[j] - zc, slot, j)        # (128 + q) - (128 + z): exact in bf16
-              s_prev, = pending
-              prev = plgpu.wgmma_accumulator_load(tmps[(gi + 1) % 2], wait_n=ppg)
+              plgpu.wgmma(acc_ref, weights[j], xt)
             else:
-              def products(t):
-                for j in group_planes:
-                  wgmma_plane(t, planes[j] - zc, slot, j)
-                return t[...]
-              s_prev, prev = pending
-              pending_products = pl.run_scoped(products, plgpu.ACC((SUB_N, block_m), jnp.float32))
-            acc = acc + lax.broadcast_in_dim(s_prev, (SUB_N, block_m), [0]) * prev
-            if gi == 0:
-              release_prev()                                   # the previous chunk's products are all done
-            pending = (s.astype(jnp.float32),) if on_gpu else (s.astype(jnp.float32), pending_products)
-          return acc, pending
-
-        def consume_grouped(n_steps, first):
-          def run(t0, t1):
-            def step(i, carry):
-              g = first + i
-              slot = lax.rem(g, stages)
-              plgpu.barrier_wait(loaded.at[slot])
-
-              def release_prev():
-                @pl.when(i > 0)
-                def _():
-                  plgpu.barrier_arrive(consumed.at[lax.rem(g + stages - 1, stages)])
-              return on_slot(slot, lambda sl, c: chunk_grouped((t0, t1), sl, *c, release_prev), carry)
-
-            zero_acc = _zeros_wgmma((SUB_N, block_m), on_gpu)
-            pending = (_zeros_row(on_gpu),) if on_gpu else (_zeros_row(on_gpu), zero_acc)
-            acc, pending = lax.fori_loop(0, n_steps, step, (zero_acc, pending))
-            last = plgpu.wgmma_accumulator_load(t1, wait_n=0) if on_gpu else pending[1]
-            acc = acc + lax.broadcast_in_dim(pending[0], (SUB_N, block_m), [0]) * last
-
-            @pl.when(n_steps > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(first + n_steps + stages - 1, stages)])
-            return acc
-
-          return pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32),
-                               plgpu.ACC((SUB_N, block_m), jnp.float32))
+              r["a_smem"][w] = weights[j]
+              plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
 
         def consume(info, first):
           b, p, sp, _, _, n_steps = info
 
           def run(acc_ref):
-            def step(i, _):
+            def step(i, words):
               g = first + i
               slot = lax.rem(g, stages)
-              plgpu.barrier_wait(loaded.at[slot])
-              on_slot(slot, lambda sl, _: chunk_products(acc_ref, sl), ())
+              if prefetch_words:
+                # load the next chunk's words now: their shared-memory latency hides behind this chunk's decode
+                def next_words():
+                  nxt = lax.rem(g + 1, stages)
+                  plgpu.barrier_wait(loaded.at[nxt])
+                  return load_words(nxt)
+                words, upcoming = words, lax.cond(i + 1 < n_steps, next_words, lambda: words)
+              else:
+                plgpu.barrier_wait(loaded.at[slot])
+                words = upcoming = load_words(slot)
+              chunk_products(acc_ref, slot, words)
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
@@ -453,9 +369,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               else:
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[slot])
-              return ()
+              return upcoming
 
-            lax.fori_loop(0, n_steps, step, ())
+            if prefetch_words:        # n_steps >= 1 for every unit (k_splits leaves no split empty)
+              plgpu.barrier_wait(loaded.at[lax.rem(first, stages)])
+            lax.fori_loop(0, n_steps, step, load_words(lax.rem(first, stages)))
             if overlap:
               plgpu.wgmma_wait(0)
 
@@ -464,10 +382,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 plgpu.barrier_arrive(consumed.at[lax.rem(first + n_steps + stages - 1, stages)])
             return acc_ref[...]
 
-          if scale_on_acc:
-            acc = consume_grouped(n_steps, first)
-          else:
-            acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+          acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
           rows = pl.ds(b * block_m, block_m)
           col = column(p, w)
           if gate_in_kernel and w == 1:
@@ -559,9 +474,6 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
-  scale_on_acc = cfg["scale_on_acc"]
-  if scale_on_acc is None:
-    scale_on_acc = bool(cfg["overlap"]) and scale_on_acc_pays(block_m, w.group_size)
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
@@ -576,7 +488,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
-                      scale_on_acc=bool(scale_on_acc), static_slots=bool(cfg["static_slots"]))
+                      prefetch_words=bool(cfg["prefetch_words"]))
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:

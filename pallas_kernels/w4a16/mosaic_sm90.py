@@ -56,8 +56,7 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      prefetch_words=True)
+                      producer_registers=40, overlap=True, persistent=True, num_ctas=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -65,9 +64,6 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
 # with 528; dense 7168x18432 M = 1 / 128 44.6 / 122.8 -> 32.2 / 107.7 µs, but 150.7 at M = 128 with 264).
 # target_programs: the K splits aim at this many work units (fewer splits, less partial-sum traffic).
-# prefetch_words: a consumer loads chunk i + 1's words from shared memory before it decodes chunk i. The kernel is
-# issue-bound (ncu, H200: 3.4-3.8 instructions per weight, 66-74% of issue slots used, the largest stall a
-# shared-memory load's scoreboard at the top of each chunk), so hiding that latency is the next lever.
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -195,8 +191,7 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
-                 consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 prefetch_words: bool = False):
+                 consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -313,12 +308,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def load_words(slot):
-          if on_gpu:
-            return plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-          return ring_w[slot, w]
-
-        def chunk_products(acc_ref, slot, words):
+        def chunk_products(acc_ref, slot):
           zs_list = []
           for gi in range(gpc):
             if on_gpu:
@@ -329,7 +319,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
             z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             zs_list += [lax.broadcast_in_dim(z16, (SUB_N, PLANE), [0]), lax.broadcast_in_dim(s16, (SUB_N, PLANE), [0])]
-          planes = _decode_planes_gpu(words) if on_gpu else _decode_planes_jnp(words)
+          if on_gpu:
+            words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
+            planes = _decode_planes_gpu(words)
+          else:
+            planes = _decode_planes_jnp(ring_w[slot, w])
           weights = [(planes[j] - zs_list[2 * (j // ppg)]) * zs_list[2 * (j // ppg) + 1]      # (q - z) * s, bf16
                      for j in range(layout.NIBBLES)]
           for j in range(layout.NIBBLES):
@@ -344,20 +338,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           b, p, sp, _, _, n_steps = info
 
           def run(acc_ref):
-            def step(i, words):
+            def step(i, _):
               g = first + i
               slot = lax.rem(g, stages)
-              if prefetch_words:
-                # load the next chunk's words now: their shared-memory latency hides behind this chunk's decode
-                def next_words():
-                  nxt = lax.rem(g + 1, stages)
-                  plgpu.barrier_wait(loaded.at[nxt])
-                  return load_words(nxt)
-                words, upcoming = words, lax.cond(i + 1 < n_steps, next_words, lambda: words)
-              else:
-                plgpu.barrier_wait(loaded.at[slot])
-                words = upcoming = load_words(slot)
-              chunk_products(acc_ref, slot, words)
+              plgpu.barrier_wait(loaded.at[slot])
+              chunk_products(acc_ref, slot)
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
@@ -369,11 +354,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               else:
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[slot])
-              return upcoming
+              return ()
 
-            if prefetch_words:        # n_steps >= 1 for every unit (k_splits leaves no split empty)
-              plgpu.barrier_wait(loaded.at[lax.rem(first, stages)])
-            lax.fori_loop(0, n_steps, step, load_words(lax.rem(first, stages)))
+            lax.fori_loop(0, n_steps, step, ())
             if overlap:
               plgpu.wgmma_wait(0)
 
@@ -487,8 +470,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
-                      prefetch_words=bool(cfg["prefetch_words"]))
+                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret))
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:

@@ -293,6 +293,7 @@ def bench_v3_slice(args, info) -> dict:
     from pallas_kernels.testing import compare, device_time
     from pallas_kernels import resolve_backend
     from mla_jax.engine.sampling import sample
+    from mla_jax.engine.runner import decode_loop_compiler_options
     from mla_jax.engine.steps import allocate_caches, decode_step, split_model
     from mla_jax.model.transformer import DeepseekV3
 
@@ -408,6 +409,29 @@ def bench_v3_slice(args, info) -> dict:
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t)
             del run_caches
+            # the same step compiled as one CUDA graph, as the engine's fused decode loop is: the wall time above
+            # includes the host launching every kernel of 4 layers (H200, d8350b0: dense MLP 0.91 ms wall vs 0.17
+            # ms of kernels)
+            graph_opts = decode_loop_compiler_options(jax.default_backend())
+            if graph_opts:
+                gstep = jax.jit(decode_step, static_argnums=0, static_argnames=("backend", "interpret"),
+                                donate_argnums=2, compiler_options=graph_opts)
+                run_caches = fresh()
+                gtimes = []
+                for i in range(args.warmup + args.iters):
+                    t = time.perf_counter()
+                    run_caches, logits = gstep(graphdef, weights, run_caches, tokens, positions, slots,
+                                               block_table, seq_lens, backend=name, interpret=args.interpret)
+                    logits.block_until_ready()
+                    if i >= args.warmup:
+                        gtimes.append(time.perf_counter() - t)
+                del run_caches
+                row.update(decode_step_graph_ms_median=1e3 * statistics.median(gtimes),
+                           decode_step_graph_ms_min=1e3 * min(gtimes),
+                           step_graph_over_roofline=1e3 * statistics.median(gtimes) / out["roofline_ms"])
+                print(f"  backend {name:12s} step as one CUDA graph {row['decode_step_graph_ms_median']:8.2f} ms "
+                      f"(min {row['decode_step_graph_ms_min']:.2f})  x{row['step_graph_over_roofline']:.2f} of "
+                      f"the roofline", flush=True)
             sample_fn = jax.jit(sample)
             jax.block_until_ready(sample_fn(logits, *samp))
             st = []

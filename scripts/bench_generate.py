@@ -346,6 +346,24 @@ def bench_v3_slice(args, info) -> dict:
     samp = (jnp.zeros(B, jnp.float32), jnp.full(B, -1, jnp.int32), jnp.ones(B, jnp.float32),
             jnp.zeros(B, jnp.uint32), jnp.zeros(B, jnp.int32))
 
+    if args.step_kernels:
+        # the whole step's kernels (CUPTI; the cache is not donated here, so XLA may add a copy of it)
+        backend = resolve_backend(args.backends.split(",")[0], cache_dtype, args.interpret)[0]
+        plain = jax.jit(lambda w, c: decode_step(graphdef, w, c, tokens, positions, slots, block_table, seq_lens,
+                                                 backend=backend, interpret=args.interpret))
+        dev = device_time(plain, weights, caches, iters=3)
+        by_name = {}
+        for name, us in dev.get("kernels", {}).items():
+            key = name.split(":", 1)[-1]
+            by_name[key] = by_name.get(key, 0.0) + us
+        out["step_device"] = dict(us=dev["us"], method=dev["method"], by_name=by_name, kernels=dev.get("kernels"))
+        print(f"  whole step, {backend}: device {dev['us']:.1f} us ({dev['method'][:40]}), "
+              f"{len(dev.get('kernels', {}))} kernels; by name:" + "".join(
+                  f"\n      {us:9.1f} us  {name}" for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]),
+              flush=True)
+        write_json(args.out, out)
+        return out
+
     # the MLP of one dense and one MoE layer alone on B decode rows (where the rest of the step goes)
     x = jax.random.normal(jax.random.key(3), (B, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
     for i in sorted({0, cfg.num_hidden_layers - 1}):
@@ -498,6 +516,8 @@ def main(argv=None) -> int:
     ap.add_argument("--v3-slice", action="store_true", help="benchmark the full-width random DeepSeek-V3 slice "
                     "instead of --model")
     ap.add_argument("--v3-scale", default="full", choices=["full", "tiny"])
+    ap.add_argument("--step-kernels", action="store_true", help="--v3-slice: only list the whole step's kernels "
+                    "(CUPTI) by name")
     ap.add_argument("--v3-layers", type=int, default=4)
     ap.add_argument("--v3-dense-layers", type=int, default=1,
                     help="leading dense layers (real V3: 3 of 61; default 1 so the slice is mostly MoE like V3)")

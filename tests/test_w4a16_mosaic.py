@@ -43,6 +43,19 @@ def test_words_layout_is_the_transposed_a_operand():
     assert tuple(a[(warp, lane, aidx, e)]) == (n, r)
 
 
+@pytest.mark.parametrize("planes", [2, 4, 8])
+def test_multi_plane_operand_is_the_planes_registers_side_by_side(planes):
+  """_decode_planes_gpu(P) concatenates P planes' register arrays along axis 1: that must be the WGMMA layout of
+  the [64, 32 P] operand whose columns 32 i .. 32 i + 31 are plane i."""
+  one = ms.register_owners(mgpu.WGMMA_LAYOUT, (64, 32))
+  wide = ms.register_owners(mgpu.WGMMA_LAYOUT, (64, 32 * planes))
+  assert mgpu.WGMMA_LAYOUT.registers_shape((64, 32 * planes))[1] == 4 * planes
+  for (warp, lane, reg, e), (n, k) in wide.items():
+    tile = reg[1]
+    n1, k1 = one[(warp, lane, (reg[0], tile % 4, *reg[2:]), e)]
+    assert (int(n), int(k)) == (int(n1), int(k1) + 32 * (tile // 4))
+
+
 def lower_for_cuda(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -59,6 +72,20 @@ def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap, persistent):
   assert "mosaic_gpu" in text
   for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
     assert needle in text, needle
+
+
+@pytest.mark.parametrize("g,planes", [(64, 2), (128, 4)])
+def test_multi_plane_wgmma_lowers_for_sm90(g, planes):
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(g), 512, 320, g), g, xp=np))
+  x = jax.ShapeDtypeStruct((16, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(planes_per_wgmma=planes, num_ctas=132)), x, w)
+  assert "wgmma" in text and "lop3.b32" in text
+
+
+def test_planes_per_wgmma_must_divide_the_group():
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
+  with pytest.raises(ValueError, match="planes_per_wgmma 4"):
+    ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(planes_per_wgmma=4), interpret=True)
 
 
 def test_unknown_config_key_is_refused():
@@ -81,20 +108,22 @@ def test_moe_lowers_for_sm90(persistent):
   assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
 
 
-@pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent",
-                         [(1, 512, 192, 64, 1, False, False), (7, 768, 128, 128, 3, False, False),
-                          (64, 256, 64, 32, 1, False, False), (7, 1280, 128, 64, 1, True, False),
-                          (16, 768, 192, 32, 3, True, False),
+@pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent,planes",
+                         [(1, 512, 192, 64, 1, False, False, 1), (7, 768, 128, 128, 3, False, False, 1),
+                          (64, 256, 64, 32, 1, False, False, 1), (7, 1280, 128, 64, 1, True, False, 1),
+                          (16, 768, 192, 32, 3, True, False, 1),
                           # persistent: 3 CTAs walk 2 blocks x 3 column tiles x 2 splits (one ring across units)
-                          (40, 1024, 320, 64, 2, True, True), (7, 512, 192, 128, 1, False, True)])
-def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent):
+                          (40, 1024, 320, 64, 2, True, True, 1), (7, 512, 192, 128, 1, False, True, 1),
+                          # planes_per_wgmma: two (g64) and four (g128) planes per wgmma operand
+                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4)])
+def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
                                             config=dict(splits=splits, overlap=overlap, persistent=persistent,
-                                                        num_ctas=3)))(x, w)
+                                                        num_ctas=3, planes_per_wgmma=planes)))(x, w)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   # bf16-rounded (q - z) s in the products and a bf16 output, as the xla path
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2

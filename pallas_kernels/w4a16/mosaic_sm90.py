@@ -56,7 +56,8 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True, persistent=True, num_ctas=None)
+                      producer_registers=40, overlap=True, persistent=True, num_ctas=None,
+                      planes_per_wgmma=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -64,6 +65,10 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
 # with 528; dense 7168x18432 M = 1 / 128 44.6 / 122.8 -> 32.2 / 107.7 µs, but 150.7 at M = 128 with 264).
 # target_programs: the K splits aim at this many work units (fewer splits, less partial-sum traffic).
+# planes_per_wgmma: consecutive planes of one quantization group issued as one wgmma ([64, 32 P] operand). Mosaic
+# builds a shared-memory descriptor per wgmma call (~5 uniform-datapath instructions; SASS at cc56b9b: 80 of the
+# ~441 instructions a consumer thread spends per chunk are descriptor arithmetic) and only adds offsets inside a
+# call. Unmeasured: 1 is what the H200 numbers above were taken with.
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -127,38 +132,49 @@ def _nibble_asm(j: int) -> str:
           + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
 
 
-_PLANE_TYPE = plgpu.ShapeDtypeStruct((SUB_N, PLANE), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+@functools.lru_cache(maxsize=None)
+def _decode_planes_gpu(planes_per_array: int = 1):
+  """The register decode for arrays of `planes_per_array` (P) consecutive planes: words [32, 64] int32
+  (WORDS_LAYOUT) -> 8 / P arrays [64, 32 P] bf16 (WGMMA layout); array i = (W^T of chunk rows 32 P i..) + 128,
+  built register by register with inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
+  along axis 1, so an array of P planes is the planes' register arrays concatenated there
+  (tests/test_w4a16_mosaic.py checks that against the layout's tiling)."""
+  p_arr = planes_per_array
+  out_type = plgpu.ShapeDtypeStruct((SUB_N, PLANE * p_arr), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,), return_type=(out_type,) * (layout.NIBBLES // p_arr))
+  def decode(_ctx, words):
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    shape = mgpu.WGMMA_LAYOUT.registers_shape((SUB_N, PLANE))
+    planes = [np.empty(shape, dtype=object) for _ in range(layout.NIBBLES)]
+    pairs = {}
+    for widx, (aidx, e) in words_register_map().items():
+      reg = words.registers[widx]
+      pairs.setdefault(aidx, [None, None])[e] = vector.extract(
+          reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
+    if len(pairs) != int(np.prod(shape)):
+      raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
+    for aidx, (lo, hi) in pairs.items():
+      for j in range(layout.NIBBLES):
+        packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
+        planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
+    return tuple(mgpu.FragmentedArray(_registers=np.concatenate(planes[i:i + p_arr], axis=1),
+                                      _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                 for i in range(0, layout.NIBBLES, p_arr))
+
+  return decode
 
 
-@plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,), return_type=(_PLANE_TYPE,) * layout.NIBBLES)
-def _decode_planes_gpu(_ctx, words):
-  """words [32, 64] int32 (WORDS_LAYOUT) -> 8 planes [64, 32] bf16 (WGMMA layout): plane j = (W^T of rows 32 j..)
-  + 128, built register by register with inline PTX."""
-  i32 = ir.IntegerType.get_signless(32)
-  bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-  shape = mgpu.WGMMA_LAYOUT.registers_shape((SUB_N, PLANE))
-  planes = [np.empty(shape, dtype=object) for _ in range(layout.NIBBLES)]
-  pairs = {}
-  for widx, (aidx, e) in words_register_map().items():
-    reg = words.registers[widx]
-    pairs.setdefault(aidx, [None, None])[e] = vector.extract(
-        reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
-  if len(pairs) != int(np.prod(shape)):
-    raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
-  for aidx, (lo, hi) in pairs.items():
-    for j in range(layout.NIBBLES):
-      packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
-      planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
-  return tuple(mgpu.FragmentedArray(_registers=p, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None) for p in planes)
-
-
-def _decode_planes_jnp(words):
-  """words [32, 64] int32 -> 8 planes [64, 32] bf16 (128 + nibble, transposed); interpret mode."""
+def _decode_planes_jnp(words, planes_per_array: int = 1):
+  """words [32, 64] int32 -> 8 / P arrays [64, 32 P] bf16 (128 + nibble, transposed; P consecutive planes side
+  by side); interpret mode."""
   out = []
   for j in range(layout.NIBBLES):
     v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
     out.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16).T)
-  return tuple(out)
+  return tuple(jnp.concatenate(out[i:i + planes_per_array], axis=1)
+               for i in range(0, layout.NIBBLES, planes_per_array))
 
 
 def _store_transposed_gpu(acc, out_ref):
@@ -191,10 +207,15 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 @functools.lru_cache(maxsize=None)
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
-                 consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool):
+                 consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
+                 planes_per_wgmma: int = 1):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
+  ppw = planes_per_wgmma
+  if ppw not in (1, 2, 4, 8) or ppg % ppw:
+    raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8 and divide the {ppg} "
+                     f"planes of a {group}-row group (one scale per wgmma operand).")
   stages = num_stages
   on_gpu = not interpret
   split = splits > 1
@@ -218,7 +239,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       upbar=plgpu.Barrier(num_arrivals=1),
       xfree=plgpu.Barrier(num_arrivals=1))
   if not on_gpu:
-    scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, PLANE), jnp.bfloat16, transforms=_X_SWZ)
+    scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
 
   persistent = num_ctas > 0
@@ -318,20 +339,22 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
             s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
             z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
-            zs_list += [lax.broadcast_in_dim(z16, (SUB_N, PLANE), [0]), lax.broadcast_in_dim(s16, (SUB_N, PLANE), [0])]
+            zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
+                        lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
           if on_gpu:
             words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            planes = _decode_planes_gpu(words)
+            arrays = _decode_planes_gpu(ppw)(words)
           else:
-            planes = _decode_planes_jnp(ring_w[slot, w])
-          weights = [(planes[j] - zs_list[2 * (j // ppg)]) * zs_list[2 * (j // ppg) + 1]      # (q - z) * s, bf16
-                     for j in range(layout.NIBBLES)]
-          for j in range(layout.NIBBLES):
-            xt = ring_x.at[slot, :, pl.ds(j * PLANE, PLANE)].transpose((1, 0))     # [32, bm]
+            arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
+          # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
+          weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) * s, bf16
+                     for i, a in enumerate(arrays)]
+          for i, a in enumerate(weights):
+            xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:
-              plgpu.wgmma(acc_ref, weights[j], xt)
+              plgpu.wgmma(acc_ref, a, xt)
             else:
-              r["a_smem"][w] = weights[j]
+              r["a_smem"][w] = a
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
 
         def consume(info, first):
@@ -346,7 +369,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
-                plgpu.wgmma_wait(layout.NIBBLES)
+                plgpu.wgmma_wait(layout.NIBBLES // ppw)
 
                 @pl.when(i > 0)
                 def _():
@@ -470,7 +493,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret))
+                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
+                      planes_per_wgmma=int(cfg["planes_per_wgmma"]))
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:

@@ -165,7 +165,7 @@ def main(argv=None):
   ap.add_argument("--sweep-configs", default=None,
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
   ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
-  ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep")
+  ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep ('' for none)")
   ap.add_argument("--sweep-groups", default="64", help="MoE quantization group sizes for --sweep")
   ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
   ap.add_argument("--backends", default="triton",
@@ -210,8 +210,9 @@ def main(argv=None):
         bench_moe(sweep_rows, ceiling, sweep_ts, tuple(int(g) for g in args.sweep_groups.split(",")), (),
                   config=cfg, check_ts=sweep_ts[:1],
                   backend=args.sweep_backend)
-        bench_dense(sweep_rows, ceiling, tuple(int(m) for m in args.sweep_ms.split(",")), True, config=cfg,
-                    backend=args.sweep_backend)
+        sweep_ms = tuple(int(m) for m in args.sweep_ms.split(",") if m)
+        if sweep_ms:
+          bench_dense(sweep_rows, ceiling, sweep_ms, True, config=cfg, backend=args.sweep_backend)
       except Exception as e:  # noqa: BLE001 - a config that does not build is a result
         sweep_rows.append(dict(op="error", backend=args.sweep_backend, config=cfg,
                                error=f"{type(e).__name__}: {str(e)[-3000:]}"))

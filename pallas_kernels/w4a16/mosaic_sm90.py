@@ -309,7 +309,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       @pl.when(wg == n_consumers)
       def _producer():
         if on_gpu:
-          plgpu.set_max_registers(producer_registers, action="decrease")
+          if producer_registers:        # 0: keep the launch allocation
+            plgpu.set_max_registers(producer_registers, action="decrease")
 
         def produce(info, first):
           b, p, _, expert, c_lo, n_steps = info
@@ -349,7 +350,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         """Warpgroup (w, h): column sub-tile w, nibble planes [h P', h P' + P') of each chunk (P' = 8 / plane_split)."""
         me = w * plane_split + h
         first_plane = h * planes_per_consumer
-        if on_gpu:
+        if on_gpu and consumer_registers:      # 0: keep the launch allocation
           plgpu.set_max_registers(consumer_registers, action="increase")
 
         def chunk_products(acc_ref, slot):
@@ -530,7 +531,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = -(-n_chunks // cps)
   plane_split = int(cfg["plane_split"])
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size, plane_split=plane_split)
-  consumer_registers = cfg["consumer_registers"] or (232 if plane_split == 1 else 112)
+  consumer_registers = cfg["consumer_registers"]
+  if consumer_registers is None:
+    consumer_registers = 232 if plane_split == 1 else 112
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))

@@ -73,7 +73,11 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # nibble planes [4 h, 4 h + 4) of every chunk into its own accumulator, and the two are summed in the epilogue:
 # twice the warps per scheduler to hide the shared-memory load latency that stalls the decode (NOTES v7), at half
 # the registers each (5 warpgroups, 640 threads).
-# consumer_registers: None picks 232 (plane_split 1, 384 threads) or 112 (plane_split 2, 640 threads).
+# consumer_registers: None picks 232 (plane_split 1, 384 threads) or 104 (plane_split 2, 640 threads; 0 keeps the
+# launch allocation, 96). At plane_split 2, 112 (with the producer at 40) deadlocks on the H200 in the consumers'
+# setmaxnreg.inc although 4 x 128 x 112 + 128 x 40 fits the 64 K register file; 104 runs (5b063f1,
+# scripts/debug_w4a16_hang.py). Above 104 is refused there rather than left to hang.
+PLANE_SPLIT_MAX_REGISTERS = 104
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -201,6 +205,17 @@ def smem_bytes(block_m: int, group: int, stages: int, plane_split: int = 1) -> i
                + block_m * layout.CHUNK_K * 2)
   exchange = NUM_CONSUMERS * SUB_N * block_m * 4 * (1 + (plane_split > 1))   # gated hand-off; plane halves' sums
   return stages * per_stage + exchange + 2048
+
+
+def resolve_consumer_registers(consumer_registers: int | None, plane_split: int) -> int:
+  """The consumers' setmaxnreg target (0: none). See consumer_registers under DEFAULT_CONFIG for the limits."""
+  if consumer_registers is None:
+    return 232 if plane_split == 1 else PLANE_SPLIT_MAX_REGISTERS
+  if plane_split > 1 and consumer_registers > PLANE_SPLIT_MAX_REGISTERS:
+    raise ValueError(f"w4a16 mosaic_sm90: consumer_registers {consumer_registers} at plane_split {plane_split}: the "
+                     f"H200 deadlocked at 112 with 640 threads; use <= {PLANE_SPLIT_MAX_REGISTERS}, or 0 to keep "
+                     "the launch allocation.")
+  return int(consumer_registers)
 
 
 def default_stages(block_m: int, group: int, most: int = 4, plane_split: int = 1) -> int:
@@ -531,9 +546,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = -(-n_chunks // cps)
   plane_split = int(cfg["plane_split"])
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size, plane_split=plane_split)
-  consumer_registers = cfg["consumer_registers"]
-  if consumer_registers is None:
-    consumer_registers = 232 if plane_split == 1 else 112
+  consumer_registers = resolve_consumer_registers(cfg["consumer_registers"], plane_split)
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))

@@ -82,28 +82,6 @@ def test_multi_plane_wgmma_lowers_for_sm90(g, planes):
   assert "wgmma" in text and "lop3.b32" in text
 
 
-@pytest.mark.parametrize("g,planes,persistent", [(64, 1, True), (128, 4, True), (32, 1, False)])
-def test_plane_split_lowers_for_sm90(g, planes, persistent):
-  """plane_split 2: five warpgroups (640 threads), consumers at 104 registers, the halves summed through SMEM."""
-  w = to_device(layout.pack(*rand_awq(np.random.default_rng(g), 512, 320, g), g, xp=np))
-  x = jax.ShapeDtypeStruct((16, 512), jnp.bfloat16)
-  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(plane_split=2, planes_per_wgmma=planes,
-                                                                       persistent=persistent, num_ctas=132)), x, w)
-  assert "wgmma" in text and "lop3.b32" in text and "setmaxnreg" in text
-  assert ms.resolve_consumer_registers(None, 2) == 104 and ms.resolve_consumer_registers(None, 1) == 232
-
-
-def test_plane_split_refusals():
-  w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 128), 128, xp=np))
-  x = jnp.zeros((1, 256), jnp.bfloat16)
-  with pytest.raises(ValueError, match="plane_split 3 must be 1 or 2"):
-    ms.matmul(x, w, config=dict(plane_split=3), interpret=True)
-  with pytest.raises(ValueError, match="planes_per_wgmma 8 must"):
-    ms.matmul(x, w, config=dict(plane_split=2, planes_per_wgmma=8), interpret=True)
-  with pytest.raises(ValueError, match="deadlocked at 112"):    # hangs on the H200 instead of failing
-    ms.matmul(x, w, config=dict(plane_split=2, consumer_registers=112), interpret=True)
-
-
 def test_planes_per_wgmma_must_divide_the_group():
   w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
   with pytest.raises(ValueError, match="planes_per_wgmma 4"):
@@ -130,25 +108,22 @@ def test_moe_lowers_for_sm90(persistent):
   assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
 
 
-@pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent,planes,plane_split",
-                         [(1, 512, 192, 64, 1, False, False, 1, 1), (7, 768, 128, 128, 3, False, False, 1, 1),
-                          (64, 256, 64, 32, 1, False, False, 1, 1), (7, 1280, 128, 64, 1, True, False, 1, 1),
-                          (16, 768, 192, 32, 3, True, False, 1, 1),
+@pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent,planes",
+                         [(1, 512, 192, 64, 1, False, False, 1), (7, 768, 128, 128, 3, False, False, 1),
+                          (64, 256, 64, 32, 1, False, False, 1), (7, 1280, 128, 64, 1, True, False, 1),
+                          (16, 768, 192, 32, 3, True, False, 1),
                           # persistent: 3 CTAs walk 2 blocks x 3 column tiles x 2 splits (one ring across units)
-                          (40, 1024, 320, 64, 2, True, True, 1, 1), (7, 512, 192, 128, 1, False, True, 1, 1),
+                          (40, 1024, 320, 64, 2, True, True, 1), (7, 512, 192, 128, 1, False, True, 1),
                           # planes_per_wgmma: two (g64) and four (g128) planes per wgmma operand
-                          (16, 768, 192, 64, 1, True, True, 2, 1), (7, 768, 128, 128, 3, True, True, 4, 1),
-                          # plane_split: two consumers per sub-tile, each half of every chunk's planes
-                          (7, 768, 192, 32, 2, True, True, 1, 2), (16, 512, 128, 128, 1, False, False, 4, 2)])
-def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes, plane_split):
+                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4)])
+def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
   y = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
                                             config=dict(splits=splits, overlap=overlap, persistent=persistent,
-                                                        num_ctas=3, planes_per_wgmma=planes,
-                                                        plane_split=plane_split)))(x, w)
+                                                        num_ctas=3, planes_per_wgmma=planes)))(x, w)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   # bf16-rounded (q - z) s in the products and a bf16 output, as the xla path
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
@@ -193,10 +168,9 @@ def test_backend_rules_for_mosaic():
   assert api.resolve_backend("mosaic_sm90", jnp.bfloat16, device=hopper, weight_elems=256)[0] == "mosaic_sm90"
 
 
-@pytest.mark.parametrize("splits,overlap,persistent,plane_split", [(1, False, False, 1), (2, False, False, 1),
-                                                                   (1, True, False, 1), (1, True, True, 1),
-                                                                   (2, True, True, 1), (1, True, True, 2)])
-def test_moe_interpret_gated_k_split(splits, overlap, persistent, plane_split):
+@pytest.mark.parametrize("splits,overlap,persistent", [(1, False, False), (2, False, False), (1, True, False),
+                                                       (1, True, True), (2, True, True)])
+def test_moe_interpret_gated_k_split(splits, overlap, persistent):
   """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
   192 is not a multiple of the 128-column tile of the down projection."""
   rng = np.random.default_rng(3)
@@ -206,6 +180,5 @@ def test_moe_interpret_gated_k_split(splits, overlap, persistent, plane_split):
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
   y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
-                    config=dict(splits=splits, overlap=overlap, persistent=persistent, num_ctas=3,
-                                plane_split=plane_split))
+                    config=dict(splits=splits, overlap=overlap, persistent=persistent, num_ctas=3))
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2

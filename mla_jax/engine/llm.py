@@ -38,6 +38,7 @@ from pallas_kernels import resolve_backend
 from . import paged
 from .params import RequestOutput, SamplingParams
 from .cache_storage import as_stored, stored_step
+from .executables import ExecutableStore, default_directory
 from .pools import DevicePagePools, decode_rows_by_device
 from .runner import FastDecoder
 from .sampling import sample
@@ -52,11 +53,6 @@ KV_CACHE_DTYPES = ("auto", *pallas_kernels.CACHE_DTYPES)   # auto: the model dty
 MIN_CHUNK_BUCKET = 16
 
 
-_DECODE_FN = jax.jit(stored_step(decode_step), static_argnums=(0,), static_argnames=("backend", "interpret", "plan"),
-                     donate_argnums=(2,))
-_PREFILL_FN = jax.jit(stored_step(prefill_step), static_argnums=(0,), static_argnames=("all_logits", "plan"),
-                      donate_argnums=(2,))
-_SAMPLE_FN = jax.jit(sample)
 
 
 def _pow2_buckets(cap: int, start: int = 1) -> list[int]:
@@ -212,12 +208,18 @@ class LLM:
         self._device_batch_buckets = _pow2_buckets(max_num_seqs // dp_devices)
         self._chunk_buckets = _pow2_buckets(max(max_num_batched_tokens, MIN_CHUNK_BUCKET), MIN_CHUNK_BUCKET)
         self._prefix_buckets = [0] + _pow2_buckets(self.block_table_width)
-        # One compiled variant per shape bucket; the caches are donated (updated in place). Sampling is its own
-        # jitted function: its shapes depend only on the batch bucket, so prefill and decode share its variants.
-        # (shared by every LLM in the process: engines over equal models share compiled variants)
-        self._decode_fn, self._prefill_fn = _DECODE_FN, _PREFILL_FN
+        # One compiled program per shape bucket; the caches are donated (updated in place). Sampling is its own
+        # program: its shapes depend only on the batch bucket, so prefill and decode share its variants. Programs
+        # go through an ExecutableStore: resolved once per call signature, kept on disk when JAX's compilation
+        # cache is on, and shared by every LLM of the process over an equal model (executables.py).
+        graphdef, plan = self.graphdef, sharding_plan
+        self._programs = ExecutableStore(self._program_identity(multi_step), default_directory())
+        self._decode_fn = jax.jit(lambda w, c, *inputs: stored_step(decode_step)(
+            graphdef, w, c, *inputs, backend=self.backend, interpret=self.interpret, plan=plan), donate_argnums=(1,))
+        self._prefill_fn = jax.jit(lambda w, c, *inputs: stored_step(prefill_step)(graphdef, w, c, *inputs, plan=plan),
+                                   donate_argnums=(1,))
         # sampled tokens are read by the host of every process: replicated
-        self._sample_fn = (_SAMPLE_FN if sharding_plan is None
+        self._sample_fn = (jax.jit(sample) if sharding_plan is None
                            else jax.jit(sample, out_shardings=sharding_plan.replicated_sharding))
         # the decode fast path (fused sampling, multi-step, overlap): one device, or a mesh within one process
         if not isinstance(fused_decode, bool) or not isinstance(overlap, bool):
@@ -257,9 +259,14 @@ class LLM:
 
     # ---- public --------------------------------------------------------------------------------------------
     def num_compiles(self) -> int:
-        """Number of compiled variants of the step functions so far (steady state: stops growing)."""
-        fast = self._fast.num_compiles() if self._fast is not None else 0
-        return fast + sum(f._cache_size() for f in (self._decode_fn, self._prefill_fn, self._sample_fn))
+        """Number of step programs (one per call signature) this engine has resolved so far, compiled or loaded
+        from disk (steady state: stops growing). self._programs.stats says where they came from."""
+        return len(self._programs)
+
+    def _program_identity(self, multi_step: int) -> str:
+        """Everything the step programs depend on besides their arguments (executables.ExecutableStore)."""
+        return repr((repr(self.graphdef), self.cfg, str(self.dtype), self.kv_cache_dtype, self.backend,
+                     self.interpret, self.page_size, multi_step, repr(self.sharding_plan)))
 
     def record_decode_times(self) -> list[tuple[int, float]]:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits
@@ -560,9 +567,8 @@ class LLM:
             samp = self._sampling_arrays(rows, B)
             inputs = self._put(tokens, positions, slot, bt, seq_lens)
             t_decode = time.perf_counter()
-            self.caches, logits = self._decode_fn(self.graphdef, self.weights, self.caches, *inputs,
-                                                  backend=self.backend, interpret=self.interpret,
-                                                  plan=self.sharding_plan)
+            self.caches, logits = self._programs.call("decode", self._decode_fn, tuple(x.shape for x in inputs),
+                                                      self.weights, self.caches, *inputs)
             if self._decode_times is not None:
                 jax.block_until_ready(logits)
                 self._decode_times.append((B, time.perf_counter() - t_decode))
@@ -589,16 +595,17 @@ class LLM:
             bt = paged.block_table([c.request.pages[:P] for c in chunks], N, P)
             rows = [c.request if c.samples else None for c in chunks]
             samp = self._sampling_arrays(rows, N)
-            self.caches, logits = self._prefill_fn(self.graphdef, self.weights, self.caches,
-                                                   *self._put(tokens, positions, slot, bt, prefix_lens, chunk_lens),
-                                                   plan=self.sharding_plan)
+            inputs = self._put(tokens, positions, slot, bt, prefix_lens, chunk_lens)
+            self.caches, logits = self._programs.call("prefill", self._prefill_fn, (N, C, P), self.weights,
+                                                      self.caches, *inputs)
             for c in chunks:
                 c.request.num_computed += c.length
             sampled = [c.request for c in chunks if c.samples]
             row_of = {id(c.request): i for i, c in enumerate(chunks)}
         if not sampled:
             return []
-        tok, lp = self._sample_fn(logits, *self._put(*samp))
+        tok, lp = self._programs.call("sample", self._sample_fn, (logits.shape, logits.dtype), logits,
+                                      *self._put(*samp))
         tok, lp = jax.device_get((tok, lp))        # one transfer for both
         n_rows = len(tokens)
         self.step_times.append((plan.kind, len(row_of), n_rows, time.perf_counter() - t_start))

@@ -252,8 +252,9 @@ class FastDecoder:
                 self._zeros[B] = zeros
             prev_tokens, prev_stopped = self._zeros[B]
         t = time.perf_counter()
-        llm.caches, result, last, stopped = self.fn(self._weight_leaves, llm.caches, buf, prev_tokens, prev_stopped,
-                                                    layout=layout)
+        llm.caches, result, last, stopped = llm._programs.call(
+            "decode_loop", self.fn, (layout, buf.shape, prev_tokens.shape), self._weight_leaves, llm.caches, buf,
+            prev_tokens, prev_stopped, layout=layout)
         if llm._decode_times is not None:             # benchmarks: the device call alone (no overlap then)
             jax.block_until_ready(result)
             dt = time.perf_counter() - t
@@ -302,4 +303,4 @@ class FastDecoder:
         return events
 
     def num_compiles(self) -> int:
-        return self.fn._cache_size()
+        return self.llm._programs.count("decode_loop")

@@ -55,9 +55,9 @@ WORD_ROWS = layout.CHUNK_K // layout.NIBBLES   # 32 word rows per chunk
 SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
-DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=None,
+DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, plane_split=1)
+                      planes_per_wgmma=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -69,15 +69,8 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # builds a shared-memory descriptor per wgmma call (~5 uniform-datapath instructions; SASS at cc56b9b: 80 of the
 # ~441 instructions a consumer thread spends per chunk are descriptor arithmetic) and only adds offsets inside a
 # call. H200, a5f4223, MoE g128 T = 1 / 16 / 64: P = 1 94.1 / 890.8 / 1,868 µs, P = 4 93.0 / 864.9 / 1,866 (NOTES v8).
-# plane_split: consumer warpgroups per 64-column sub-tile (1 or 2). With 2, warpgroup (w, h) decodes and multiplies
-# nibble planes [4 h, 4 h + 4) of every chunk into its own accumulator, and the two are summed in the epilogue:
-# twice the warps per scheduler to hide the shared-memory load latency that stalls the decode (NOTES v7), at half
-# the registers each (5 warpgroups, 640 threads).
-# consumer_registers: None picks 232 (plane_split 1, 384 threads) or 104 (plane_split 2, 640 threads; 0 keeps the
-# launch allocation, 96). At plane_split 2, 112 (with the producer at 40) deadlocks on the H200 in the consumers'
-# setmaxnreg.inc although 4 x 128 x 112 + 128 x 40 fits the 64 K register file; 104 runs (5b063f1,
-# scripts/debug_w4a16_hang.py). Above 104 is refused there rather than left to hang.
-PLANE_SPLIT_MAX_REGISTERS = 104
+# Measured and removed (NOTES v8): plane_split, two consumer warpgroups per 64-column sub-tile, each decoding half of
+# every chunk's nibble planes (5 warpgroups): 4-6% slower than one (MoE g64 T = 64 2,033 vs 1,924 µs, b2fe5dd).
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -142,22 +135,21 @@ def _nibble_asm(j: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_planes_gpu(planes_per_array: int = 1, planes: tuple[int, ...] = tuple(range(layout.NIBBLES))):
-  """The register decode for arrays of `planes_per_array` (P) consecutive planes of `planes` (all 8, or a
-  consumer's share at plane_split 2): words [32, 64] int32 (WORDS_LAYOUT) -> len(planes) / P arrays [64, 32 P]
-  bf16 (WGMMA layout); array i = (W^T of chunk rows 32 planes[P i]..) + 128, built register by register with
-  inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
+def _decode_planes_gpu(planes_per_array: int = 1):
+  """The register decode for arrays of `planes_per_array` (P) consecutive planes: words [32, 64] int32
+  (WORDS_LAYOUT) -> 8 / P arrays [64, 32 P] bf16 (WGMMA layout); array i = (W^T of chunk rows 32 P i..) + 128,
+  built register by register with inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
   along axis 1, so an array of P planes is the planes' register arrays concatenated there
   (tests/test_w4a16_mosaic.py checks that against the layout's tiling)."""
   p_arr = planes_per_array
   out_type = plgpu.ShapeDtypeStruct((SUB_N, PLANE * p_arr), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
-  @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,), return_type=(out_type,) * (len(planes) // p_arr))
+  @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,), return_type=(out_type,) * (layout.NIBBLES // p_arr))
   def decode(_ctx, words):
     i32 = ir.IntegerType.get_signless(32)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     shape = mgpu.WGMMA_LAYOUT.registers_shape((SUB_N, PLANE))
-    decoded = {j: np.empty(shape, dtype=object) for j in planes}
+    planes = [np.empty(shape, dtype=object) for _ in range(layout.NIBBLES)]
     pairs = {}
     for widx, (aidx, e) in words_register_map().items():
       reg = words.registers[widx]
@@ -166,25 +158,25 @@ def _decode_planes_gpu(planes_per_array: int = 1, planes: tuple[int, ...] = tupl
     if len(pairs) != int(np.prod(shape)):
       raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
     for aidx, (lo, hi) in pairs.items():
-      for j in planes:
+      for j in range(layout.NIBBLES):
         packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
-        decoded[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
-    return tuple(mgpu.FragmentedArray(_registers=np.concatenate([decoded[j] for j in planes[i:i + p_arr]], axis=1),
+        planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
+    return tuple(mgpu.FragmentedArray(_registers=np.concatenate(planes[i:i + p_arr], axis=1),
                                       _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-                 for i in range(0, len(planes), p_arr))
+                 for i in range(0, layout.NIBBLES, p_arr))
 
   return decode
 
 
-def _decode_planes_jnp(words, planes_per_array: int = 1, planes: tuple[int, ...] = tuple(range(layout.NIBBLES))):
-  """words [32, 64] int32 -> len(planes) / P arrays [64, 32 P] bf16 (128 + nibble, transposed; P consecutive
-  planes side by side); interpret mode."""
+def _decode_planes_jnp(words, planes_per_array: int = 1):
+  """words [32, 64] int32 -> 8 / P arrays [64, 32 P] bf16 (128 + nibble, transposed; P consecutive planes side
+  by side); interpret mode."""
   out = []
-  for j in planes:
+  for j in range(layout.NIBBLES):
     v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
     out.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16).T)
   return tuple(jnp.concatenate(out[i:i + planes_per_array], axis=1)
-               for i in range(0, len(planes), planes_per_array))
+               for i in range(0, layout.NIBBLES, planes_per_array))
 
 
 def _store_transposed_gpu(acc, out_ref):
@@ -199,29 +191,17 @@ def _store_transposed_gpu(acc, out_ref):
   store(acc, out_ref)
 
 
-def smem_bytes(block_m: int, group: int, stages: int, plane_split: int = 1) -> int:
+def smem_bytes(block_m: int, group: int, stages: int) -> int:
   per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
                + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * 3
                + block_m * layout.CHUNK_K * 2)
-  exchange = NUM_CONSUMERS * SUB_N * block_m * 4 * (1 + (plane_split > 1))   # gated hand-off; plane halves' sums
-  return stages * per_stage + exchange + 2048
+  return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
 
 
-def resolve_consumer_registers(consumer_registers: int | None, plane_split: int) -> int:
-  """The consumers' setmaxnreg target (0: none). See consumer_registers under DEFAULT_CONFIG for the limits."""
-  if consumer_registers is None:
-    return 232 if plane_split == 1 else PLANE_SPLIT_MAX_REGISTERS
-  if plane_split > 1 and consumer_registers > PLANE_SPLIT_MAX_REGISTERS:
-    raise ValueError(f"w4a16 mosaic_sm90: consumer_registers {consumer_registers} at plane_split {plane_split}: the "
-                     f"H200 deadlocked at 112 with 640 threads; use <= {PLANE_SPLIT_MAX_REGISTERS}, or 0 to keep "
-                     "the launch allocation.")
-  return int(consumer_registers)
-
-
-def default_stages(block_m: int, group: int, most: int = 4, plane_split: int = 1) -> int:
+def default_stages(block_m: int, group: int, most: int = 4) -> int:
   """The deepest ring (at most `most` stages) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
   stages = most
-  while stages > 2 and smem_bytes(block_m, group, stages, plane_split) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(block_m, group, stages) > SMEM_LIMIT:
     stages -= 1
   return stages
 
@@ -230,7 +210,7 @@ def default_stages(block_m: int, group: int, most: int = 4, plane_split: int = 1
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 planes_per_wgmma: int = 1, plane_split: int = 1):
+                 planes_per_wgmma: int = 1):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -238,13 +218,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if ppw not in (1, 2, 4, 8) or ppg % ppw:
     raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8 and divide the {ppg} "
                      f"planes of a {group}-row group (one scale per wgmma operand).")
-  if plane_split not in (1, 2):
-    raise ValueError(f"w4a16 mosaic_sm90: plane_split {plane_split} must be 1 or 2.")
-  planes_per_consumer = layout.NIBBLES // plane_split
-  if planes_per_consumer % ppw:
-    raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must divide the {planes_per_consumer} planes a "
-                     f"consumer takes at plane_split {plane_split}.")
-  n_consumers = NUM_CONSUMERS * plane_split      # consumer warpgroups; warpgroup n_consumers is the producer
   stages = num_stages
   on_gpu = not interpret
   split = splits > 1
@@ -253,10 +226,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   gate_in_kernel = gated and not split
   if block_m % 8 or not 8 <= block_m <= 256:
     raise ValueError(f"w4a16 mosaic_sm90: block_m {block_m} must be a multiple of 8 in [8, 256].")
-  if smem_bytes(block_m, group, stages, plane_split) > SMEM_LIMIT:
+  if smem_bytes(block_m, group, stages) > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
-                     f"{smem_bytes(block_m, group, stages, plane_split)} bytes of SMEM (limit {SMEM_LIMIT}); "
-                     f"lower num_stages.")
+                     f"{smem_bytes(block_m, group, stages)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
 
   scratch = dict(
       ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
@@ -265,16 +237,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       ring_x=plgpu.SMEM((stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
       xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
       loaded=plgpu.Barrier(num_arrivals=3 * NUM_CONSUMERS + 1, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=n_consumers, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
       upbar=plgpu.Barrier(num_arrivals=1),
       xfree=plgpu.Barrier(num_arrivals=1))
-  if plane_split > 1:
-    # warpgroup (w, 1) hands its accumulator to (w, 0) here; hbar: written, hfree: read (free again)
-    scratch.update(hch=plgpu.SMEM((NUM_CONSUMERS, SUB_N, block_m), jnp.float32),
-                   hbar=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS),
-                   hfree=plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS))
   if not on_gpu:
-    scratch["a_smem"] = plgpu.SMEM((n_consumers, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
+    scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
 
   persistent = num_ctas > 0
@@ -321,11 +288,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
 
     @pl.when(active)
     def _active():
-      @pl.when(wg == n_consumers)
+      @pl.when(wg == NUM_CONSUMERS)
       def _producer():
         if on_gpu:
-          if producer_registers:        # 0: keep the launch allocation
-            plgpu.set_max_registers(producer_registers, action="decrease")
+          plgpu.set_max_registers(producer_registers, action="decrease")
 
         def produce(info, first):
           b, p, _, expert, c_lo, n_steps = info
@@ -361,16 +327,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           def _():
             plgpu.barrier_wait(consumed.at[lax.rem(total + i, stages)])
 
-      def consumer(w: int, h: int):
-        """Warpgroup (w, h): column sub-tile w, nibble planes [h P', h P' + P') of each chunk (P' = 8 / plane_split)."""
-        me = w * plane_split + h
-        first_plane = h * planes_per_consumer
-        if on_gpu and consumer_registers:      # 0: keep the launch allocation
+      def consumer(w: int):
+        if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
         def chunk_products(acc_ref, slot):
-          zs_list = {}
-          for gi in range(first_plane // ppg, (first_plane + planes_per_consumer - 1) // ppg + 1):
+          zs_list = []
+          for gi in range(gpc):
             if on_gpu:
               s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
               z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
@@ -378,25 +341,23 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
             s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
             z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
-            zs_list[gi] = (lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
-                           lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0]))
-          planes = tuple(range(first_plane, first_plane + planes_per_consumer))
+            zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
+                        lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
           if on_gpu:
             words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            arrays = _decode_planes_gpu(ppw, planes)(words)
+            arrays = _decode_planes_gpu(ppw)(words)
           else:
-            arrays = _decode_planes_jnp(ring_w[slot, w], ppw, planes)
-          # array i holds planes p0 .. p0 + ppw - 1 (p0 = first_plane + ppw i), all of quantization group p0 // ppg
-          for i, a in enumerate(arrays):
-            p0 = first_plane + ppw * i
-            z16, s16 = zs_list[p0 // ppg]
-            a = (a - z16) * s16                                                 # (q - z) * s, bf16
-            xt = ring_x.at[slot, :, pl.ds(p0 * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
+            arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
+          # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
+          weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) * s, bf16
+                     for i, a in enumerate(arrays)]
+          for i, a in enumerate(weights):
+            xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:
               plgpu.wgmma(acc_ref, a, xt)
             else:
-              r["a_smem"][me] = a
-              plgpu.wgmma(acc_ref, r["a_smem"].at[me], xt)
+              r["a_smem"][w] = a
+              plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
 
         def consume(info, first):
           b, p, sp, _, _, n_steps = info
@@ -410,7 +371,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
-                plgpu.wgmma_wait(planes_per_consumer // ppw)
+                plgpu.wgmma_wait(layout.NIBBLES // ppw)
 
                 @pl.when(i > 0)
                 def _():
@@ -430,22 +391,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             return acc_ref[...]
 
           acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
-          if plane_split > 1 and h == 1:
-            # hand this half of the K sum to warpgroup (w, 0); hch[w] is free again once it read the previous one
-            @pl.when(first > 0)
-            def _():
-              plgpu.barrier_wait(r["hfree"].at[w])
-
-            r["hch"][w] = acc
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(r["hbar"].at[w])
-            return n_steps
-          if plane_split > 1:
-            plgpu.barrier_wait(r["hbar"].at[w])
-            other = (plgpu.load(r["hch"].at[w], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu
-                     else r["hch"][w])
-            plgpu.barrier_arrive(r["hfree"].at[w])
-            acc = acc + other
           rows = pl.ds(b * block_m, block_m)
           col = column(p, w)
           if gate_in_kernel and w == 1:
@@ -480,19 +425,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           return n_steps
 
         total = for_each_unit(consume)
-        if plane_split > 1 and h == 1:
-          @pl.when(total > 0)
-          def _():
-            plgpu.barrier_wait(r["hfree"].at[w])   # (w, 0) read the last unit's hch: no phase left pending
-          return
         if gate_in_kernel and w == 1:
           @pl.when(total > 0)
           def _():
             plgpu.barrier_wait(r["xfree"])      # warpgroup 0 read the last unit's xch: no phase left pending
 
       for w in range(NUM_CONSUMERS):
-        for h in range(plane_split):
-          pl.when(wg == w * plane_split + h)(functools.partial(consumer, w, h))
+        pl.when(wg == w)(functools.partial(consumer, w))
 
   if split:
     out_type = jax.ShapeDtypeStruct((splits, rows_total, n_pad), jnp.float32)
@@ -501,7 +440,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   kernel = plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()),
       grid=(num_ctas,) if persistent else (num_blocks, tiles, splits),
-      grid_names=("c",) if persistent else ("b", "p", "s"), num_threads=n_consumers + 1, thread_name="wg",
+      grid_names=("c",) if persistent else ("b", "p", "s"), num_threads=NUM_WARPGROUPS, thread_name="wg",
       # every SMEM hand-off is ordered by an mbarrier or commit_smem; no cross-warp reduction
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
@@ -529,10 +468,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
   if unknown:
     raise ValueError(f"w4a16 mosaic_sm90: unknown config keys {unknown}; known: {sorted(DEFAULT_CONFIG)}.")
-  if cfg["plane_split"] not in (1, 2):
-    raise ValueError(f"w4a16 mosaic_sm90: plane_split {cfg['plane_split']} must be 1 or 2.")
   if interpret:
-    gpu_interpret.check_cpu_threads(NUM_CONSUMERS * int(cfg["plane_split"]) + 1)   # else interpret mode can deadlock
+    gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)      # else interpret mode can deadlock (gpu_interpret.py)
   if w.group_size not in layout.KERNEL_GROUP_SIZES:
     raise ValueError(f"w4a16 mosaic_sm90 is built for group sizes {layout.KERNEL_GROUP_SIZES}, got {w.group_size}.")
   n_chunks = w.k_pad // layout.CHUNK_K
@@ -544,9 +481,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
-  plane_split = int(cfg["plane_split"])
-  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, plane_split=plane_split)
-  consumer_registers = resolve_consumer_registers(cfg["consumer_registers"], plane_split)
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
@@ -559,9 +494,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
-                      consumer_registers=consumer_registers, producer_registers=cfg["producer_registers"],
+                      consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
-                      planes_per_wgmma=int(cfg["planes_per_wgmma"]), plane_split=plane_split)
+                      planes_per_wgmma=int(cfg["planes_per_wgmma"]))
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:

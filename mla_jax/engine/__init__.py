@@ -6,6 +6,7 @@
     runner.py     the decode fast path: multi-step calls, overlapped scheduling (NOTES.md)
     cache_storage.py  fp8 latents kept as uint8 bits between jitted calls (in-place writes on XLA:CPU)
     compile_cache.py  JAX's persistent compilation cache for the entry points
+    executables.py  the engine's compiled step programs kept on disk, loaded without tracing or lowering
     scheduler.py  continuous batching, chunked prefill, preemption by recompute
     paged.py      page allocator, block tables, slots
     pools.py      per-device page pools and decode rows for data-parallel attention

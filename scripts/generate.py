@@ -104,6 +104,12 @@ def read_prompts(args, tokenizer) -> tuple[list, list]:
     return prompts, shown
 
 
+
+def programs_line(stats: dict) -> str:
+    """Where this run's step programs came from (a second run with the same shapes loads them all)."""
+    loaded = stats["disk"] + stats["memory"]
+    return f"step programs: {stats['compiled']} compiled, {loaded} loaded (the first steps include this)"
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     configure_logging(args.verbose)
@@ -207,7 +213,7 @@ def main(argv=None) -> int:
             if ttfts else "no tokens generated")
     print(f"\nsummary: {len(outputs)} prompts ({failed} failed), {n_prompt} prompt tokens, {n_gen} generated "
           f"tokens in {elapsed:.2f} s = {n_gen / elapsed if elapsed > 0 else 0.0:.1f} tok/s; {ttft}; "
-          f"{llm.scheduler.num_preemptions} preemptions (first call includes compilation)")
+          f"{llm.scheduler.num_preemptions} preemptions; {programs_line(llm.program_stats())}")
     return 1 if failed else 0
 
 

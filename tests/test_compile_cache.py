@@ -46,3 +46,6 @@ def test_second_process_compiles_nothing(tmp_path):
     assert second == first                        # nothing new was compiled (every compile writes an entry)
     text = lambda out: out[out.index("=== [0]"): out.index("\nsummary:")]
     assert text(out1) == text(out2) and "finish_reason=length tokens=4" in text(out1)
+    # the engine's step programs: compiled by the first run, loaded (no trace, no lowering) by the second
+    assert any(p.startswith("mla_jax_executables" + os.sep) for p in first), first
+    assert "step programs: 0 compiled" in out2 and "step programs: 0 compiled" not in out1, out2[-400:]

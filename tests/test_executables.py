@@ -1,6 +1,9 @@
 """The engine's persistent step programs (mla_jax/engine/executables.py): a second process resolves every program
 from disk without tracing, with the same results, and anything that changes the program gives a new key."""
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +160,43 @@ def test_llm_second_engine_loads_every_program_and_generates_the_same(tmp_path, 
     c = LLM("tiny-deepseek-py", max_num_seqs=4, max_model_len=128, page_size=32)
     c.generate(prompts[:1], params)
     assert c._programs.stats["disk"] == 0 and c._programs.stats["compiled"] > 0
+
+
+CHILD = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np
+    from mla_jax.engine.compile_cache import enable_compilation_cache
+    enable_compilation_cache(sys.argv[1])
+    from mla_jax.engine.executables import ExecutableStore, default_directory
+    f = jax.jit(lambda w, x: (jnp.tanh(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32) * 3
+                              + 1).sum(0))
+    store = ExecutableStore("child", default_directory())
+    w = jnp.asarray(np.arange(64.0).reshape(8, 8) / 64, jnp.float32)
+    y = store.call("f", f, 0, w, jnp.ones((4, 8), jnp.float32))
+    print("RESULT", store.stats["compiled"], store.stats["disk"], float(np.asarray(y).sum()))
+""")
+
+
+def test_programs_written_after_a_jax_cache_hit_still_load(tmp_path):
+    """JAX's cache holds the program but the store's file is gone (deleted, or a source change gave a new key
+    for an unchanged program): what the store writes must be a fresh compile. An executable that JAX read
+    back from its own cache does not serialize again completely on XLA:CPU; loading that copy failed at the
+    first call ("Function wrapped_convert.1 not found") before the store turned JAX's cache off for its compiles."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MLA_JAX_COMPILATION_CACHE", None)
+    cache = tmp_path / "cache"
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(cache)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        compiled, disk, y = proc.stdout.split("RESULT")[1].split()
+        return int(compiled), int(disk), float(y)
+
+    first = run()
+    assert first[:2] == (1, 0)
+    for p in (cache / executables.SUBDIR).iterdir():
+        p.unlink()                              # JAX's cache keeps its entries
+    assert run()[:2] == (1, 0)                  # compiled again (JAX's cache bypassed) and written
+    third = run()
+    assert third[:2] == (0, 1) and third[2] == first[2]

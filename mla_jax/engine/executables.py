@@ -21,6 +21,7 @@ written and the store only compiles ahead of time in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ FORMAT = 1                                    # bump when the file's content cha
 _PACKAGES = ("mla_jax", "pallas_kernels")
 _PROCESS_PROGRAMS: dict[str, Any] = {}        # key -> Compiled, shared by every store in the process
 _LOCK = threading.Lock()
+_BYPASS_LOCK = threading.Lock()          # one compile at a time with JAX's cache off
 
 
 def default_directory() -> Optional[str]:
@@ -89,6 +91,27 @@ def arguments_signature(args: tuple) -> str:
         sharding = getattr(x, "sharding", None)
         parts.append(f"{aval.str_short(short_dtypes=False)}|{aval.weak_type}|{sharding}")
     return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def _jax_cache_bypassed(active: bool):
+    """JAX's persistent cache off for one compile. An executable JAX read back from its cache does not serialize
+    again completely on XLA:CPU (jax 0.11.2: loading that second copy fails at the first call with "Function
+    convert_bitcast_fusion.54 not found"), so the programs this store writes are always compiled fresh; JAX's
+    cache keeps serving every other function. JAX decides once per process whether its cache is used:
+    reset_cache() makes it look again, before and after."""
+    if not active or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    from jax.experimental.compilation_cache import compilation_cache
+    with _BYPASS_LOCK:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", True)
+            compilation_cache.reset_cache()
 
 
 def _has_host_callbacks(lowered) -> bool:
@@ -147,7 +170,8 @@ class ExecutableStore:
                 logger.debug("%s: loaded %s", name, path)
         if program is None:
             lowered = fn.lower(*args, **static)
-            program = lowered.compile()
+            with _jax_cache_bypassed(path is not None):
+                program = lowered.compile()
             self.stats["compiled"] += 1
             if path is not None:
                 self._write(name, path, lowered, program)

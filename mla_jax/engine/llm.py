@@ -263,6 +263,11 @@ class LLM:
         from disk (steady state: stops growing). self._programs.stats says where they came from."""
         return len(self._programs)
 
+    def program_stats(self) -> dict:
+        """Where this engine's step programs came from: memory (another engine of the process), disk (a previous
+        run), compiled; and written / not_written / load_errors (mla_jax/engine/executables.py)."""
+        return dict(self._programs.stats)
+
     def _program_identity(self, multi_step: int) -> str:
         """Everything the step programs depend on besides their arguments (executables.ExecutableStore)."""
         return repr((repr(self.graphdef), self.cfg, str(self.dtype), self.kv_cache_dtype, self.backend,

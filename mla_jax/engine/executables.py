@@ -136,14 +136,16 @@ class ExecutableStore:
         """Call signatures of program `name` resolved by this store."""
         return sum(1 for n, _ in self._programs if n == name)
 
-    def call(self, name: str, fn: Callable, signature: Hashable, *args, **static) -> Any:
+    def call(self, name: str, fn: Callable, signature: Hashable, *args, identity: str = "", **static) -> Any:
         """fn(*args, **static) through its compiled program. fn is a jax.jit function whose static arguments are
         exactly `static` (keywords); `signature` must tell apart every call whose arguments differ in shape,
         dtype or sharding (e.g. the shapes of the small inputs: the weights and caches of an engine never change),
-        and must include the static values. The compiled program checks the arguments' types on every call."""
+        and must include the static values. identity: what this program alone depends on besides the store's
+        identity and its arguments (e.g. the decode loop's step count). The compiled program checks the arguments'
+        types on every call."""
         program = self._programs.get((name, signature))
         if program is None:
-            program = self._programs[(name, signature)] = self._resolve(name, fn, args, static)
+            program = self._programs[(name, signature)] = self._resolve(name + identity, name, fn, args, static)
         return program(*args)
 
     # ---- resolution ------------------------------------------------------------------------------------------
@@ -155,8 +157,8 @@ class ExecutableStore:
             h.update(b"\0")
         return h.hexdigest()
 
-    def _resolve(self, name: str, fn: Callable, args: tuple, static: dict):
-        key = self._key(name, args, static)
+    def _resolve(self, keyed_name: str, name: str, fn: Callable, args: tuple, static: dict):
+        key = self._key(keyed_name, args, static)
         with _LOCK:
             program = _PROCESS_PROGRAMS.get(key)
         if program is not None:

@@ -213,7 +213,7 @@ class LLM:
         # go through an ExecutableStore: resolved once per call signature, kept on disk when JAX's compilation
         # cache is on, and shared by every LLM of the process over an equal model (executables.py).
         graphdef, plan = self.graphdef, sharding_plan
-        self._programs = ExecutableStore(self._program_identity(multi_step), default_directory())
+        self._programs = ExecutableStore(self._program_identity(), default_directory())
         self._decode_fn = jax.jit(lambda w, c, *inputs: stored_step(decode_step)(
             graphdef, w, c, *inputs, backend=self.backend, interpret=self.interpret, plan=plan), donate_argnums=(1,))
         self._prefill_fn = jax.jit(lambda w, c, *inputs: stored_step(prefill_step)(graphdef, w, c, *inputs, plan=plan),
@@ -268,10 +268,11 @@ class LLM:
         run), compiled; and written / not_written / load_errors (mla_jax/engine/executables.py)."""
         return dict(self._programs.stats)
 
-    def _program_identity(self, multi_step: int) -> str:
-        """Everything the step programs depend on besides their arguments (executables.ExecutableStore)."""
+    def _program_identity(self) -> str:
+        """Everything the step programs depend on besides their arguments (executables.ExecutableStore); the
+        decode loop adds its step count."""
         return repr((repr(self.graphdef), self.cfg, str(self.dtype), self.kv_cache_dtype, self.backend,
-                     self.interpret, self.page_size, multi_step, repr(self.sharding_plan)))
+                     self.interpret, self.page_size, repr(self.sharding_plan)))
 
     def record_decode_times(self) -> list[tuple[int, float]]:
         """Starts timing the jitted decode step on its own: from now on each decode step waits for its logits

@@ -254,7 +254,7 @@ class FastDecoder:
         t = time.perf_counter()
         llm.caches, result, last, stopped = llm._programs.call(
             "decode_loop", self.fn, (layout, buf.shape, prev_tokens.shape), self._weight_leaves, llm.caches, buf,
-            prev_tokens, prev_stopped, layout=layout)
+            prev_tokens, prev_stopped, identity=f"/steps={self.max_steps}", layout=layout)
         if llm._decode_times is not None:             # benchmarks: the device call alone (no overlap then)
             jax.block_until_ready(result)
             dt = time.perf_counter() - t

@@ -79,15 +79,24 @@ def correctness_cases(kind: str):
        dict(num_stages=2)),
       ("fp8 h64 sq2 rows 2 stages causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
        dict(num_stages=2)),
+      # the opt-in next-page dequant during P.V (O in a whole-segment accumulator: GPU-only structure)
+      ("fp8 h128 ragged+0 rows prefetch 2", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows",
+       dict(prefetch_tiles=2)),
+      ("fp8 h128 b48 many seqs/part rows prefetch 4", "fp8_e4m3", 128, 1, ragged(48, 1500), "rows",
+       dict(prefetch_tiles=4)),
+      ("fp8 h64 sq2 rows prefetch 1 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
+       dict(prefetch_tiles=1)),
   ]
 
 
-def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto"):
+def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto", grep: str | None = None):
   """kernel: mosaic_sm90's kernel choice ("auto" goes through the public op; a forced kernel calls the backend
   module; a case's own kernel entry overrides it). Cases the rows kernel runs are compared with the float64
   reference: a bf16 cache (bf16 P) under §3's bf16-P bound, an fp8 cache (f16 P and V) under the plain bound."""
   rows = []
   for name, dtype, heads, sq, lens, *case_kernel in correctness_cases(kind):
+    if grep and grep not in name:
+      continue
     kernel = case_kernel[0] if case_kernel else default_kernel
     plan_kw = case_kernel[1] if len(case_kernel) > 1 else {}
     causal = name.endswith(" causal")
@@ -147,6 +156,9 @@ def timing_variants():
       ("fp8_e4m3 h128 rows 2 stages", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", num_stages=2)),
       ("fp8_e4m3 h128 rows ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
+      # the next page's first k dequant tiles converted while P.V runs
+      *((f"fp8_e4m3 h128 rows prefetch {k}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="rows", prefetch_tiles=k)) for k in (1, 2, 4)),
       ("fp8_e4m3 h128 sq2", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128 sq2 rows", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("fp8_e4m3 h128 sq2 rows 2 stages", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",
@@ -232,6 +244,7 @@ def main():
   ap.add_argument("--timing", action="store_true")
   ap.add_argument("--only", default=None, help="time only these variants (comma list of exact names)")
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--case-grep", default=None, help="run only the correctness cases whose name contains this")
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
   ap.add_argument("--kernel", default="auto", choices=list(mosaic_sm90.KERNELS),
                   help="mosaic_sm90 kernel for the correctness cases (auto: rows for Sq*H %% 64 == 0)")
@@ -253,7 +266,8 @@ def main():
     with open(args.out, "w") as f:
       json.dump(dict(info=info, checks=checks, copy=copy, timings=timings), f, indent=1)
 
-  checks = run_correctness(args.cases, args.interpret, args.kernel) if args.cases != "none" else []
+  checks = (run_correctness(args.cases, args.interpret, args.kernel, args.case_grep) if args.cases != "none"
+            else [])
   dump(checks, None, [])
   copy, timings = (run_timing(args.iters, args.only, lambda c, r: dump(checks, c, r)) if args.timing
                    else (None, []))

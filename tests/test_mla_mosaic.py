@@ -453,3 +453,58 @@ def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal, stages):
   assert mr.smem_bytes(deeper.num_stages, fp8) > mr.SMEM_LIMIT
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     _lower_rows_for_sm90(deeper, heads=heads, sq=sq, causal=causal)
+
+
+# ---- fp8 rows with the next page's dequant tiles converted while P.V runs (prefetch_tiles, opt-in) --------------
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,k", [
+    (64, 1, [70, 0, 5], False, 3, 2),      # zero length; last pages of 6 and 5 tokens; a share spans sequences
+    (128, 1, [130, 1, 64], False, 2, 4),   # two row groups, 3-page segments: prefetch inside a segment
+    (64, 2, [3, 200, 100], True, 4, 1),    # Sq 2 causal; partial halves of either warpgroup
+])
+def test_rows_kernel_fp8_prefetch_interpret(heads, sq, lens, causal, parts, k):
+  """Against the float64 reference, and bit-identical to the default schedule: prefetching only moves when a
+  tile is loaded and converted (interpret mode runs the same products in the same order)."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 2000, lens=lens, sq=sq, heads=heads,
+                                           dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows",
+                        prefetch_tiles=k)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+  assert res["cos_diff"] < 1e-5
+  out0, lse0 = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+
+
+def test_rows_kernel_fp8_prefetch_no_races():
+  """Race detector: the next page's slot read while P.V reads kbuf, kbuf rewritten after kfree, 2 shares."""
+  q, cache, table, lens = random_problem(13, lens=[130, 2], sq=1, heads=64, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="rows", prefetch_tiles=2,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
+  assert res["ok"], res
+
+
+@pytest.mark.parametrize("k,heads,sq,causal", [(2, 128, 1, False), (4, 128, 1, False), (1, 64, 2, True)])
+def test_rows_kernel_fp8_prefetch_lowers_for_sm90(k, heads, sq, causal):
+  """The GPU structure (O in one accumulator for the whole segment, rescaled through the ref, P as a register A
+  operand, the next page's tiles converted between the P.V wgmma and its wait) lowers; SMEM unchanged."""
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  plan = mr.make_plan(sq * heads, num_sms=8, fp8=True, prefetch_tiles=k)
+  assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=heads, sq=sq, causal=causal)
+  assert _mosaic_smem_bytes(plan, heads=heads, sq=sq, causal=causal) == plan.smem_bytes == mr.smem_bytes(1, True)
+
+
+def test_rows_kernel_prefetch_refusals():
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  with pytest.raises(ValueError, match="fp8 cache with a 1-slot ring"):
+    mr.make_plan(128, num_sms=8, fp8=False, prefetch_tiles=2)
+  with pytest.raises(ValueError, match="fp8 cache with a 1-slot ring"):
+    mr.make_plan(128, num_sms=8, fp8=True, num_stages=2, prefetch_tiles=2)
+  with pytest.raises(ValueError, match="prefetch_tiles must be in"):
+    mr.make_plan(128, num_sms=8, fp8=True, prefetch_tiles=5)
+  q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=16, dtype="fp8_e4m3")
+  with pytest.raises(ValueError, match="prefetch_tiles applies to the rows kernel"):
+    run_kernel(q, cache, table, lens, False, interpret=True, kernel="swapped", prefetch_tiles=2)

@@ -78,6 +78,9 @@ class Plan:
   num_parts: int       # KV shares per row group (the split-KV width)
   num_stages: int      # page ring depth
   fp8: bool = False    # fp8_e4m3 cache: a ring of fp8 pages, dequantized per page into one f16 page
+  # fp8, 1 slot: how many of a page's 4 [32, 128] dequant tiles a warpgroup loads and converts into registers
+  # while the previous page's P.V runs (stored after kfree); 0: the whole dequant after kfree
+  prefetch_tiles: int = 0
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -107,7 +110,7 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False) -> Plan:
+              fp8: bool = False, prefetch_tiles: int = 0) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
   fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md)."""
   if rows < 1:
@@ -121,7 +124,15 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
     raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages ({'fp8' if fp8 else 'bf16'} cache) need "
                      f"{smem_bytes(max(stages, 1), fp8)} bytes of SMEM (limit {SMEM_LIMIT}); use num_stages in "
                      f"{fitting}")
-  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8))
+  prefetch_tiles = int(prefetch_tiles)
+  if prefetch_tiles and not (fp8 and stages == 1):
+    raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles={prefetch_tiles} applies to an fp8 cache with a "
+                     f"1-slot ring (got {'fp8' if fp8 else 'bf16'}, {stages} slots)")
+  if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
+    raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
+                     f"got {prefetch_tiles}")
+  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
+              prefetch_tiles=prefetch_tiles)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -245,9 +256,56 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         pl.when(n_valid >= (w + 1) * TOK)(lambda: convert(False))
         pl.when(n_valid < (w + 1) * TOK)(lambda: convert(True))
 
+      def load_tiles(slot, n_valid, ts):
+        """prefetch_tiles: dequant tiles ts of this warpgroup's tokens (as dequant's) into registers, f16,
+        tail tokens -> 0 by select on a partial page (the other branch skips the select)."""
+        toks = pl.ds(w * TOK, TOK)
+        sc_all = plgpu.load(ring_sc.at[slot, toks], layout=scale_layout(), optimized=False)
+        col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
+
+        def convert(masked: bool):
+          if masked:
+            row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + w * TOK
+            ok = (row4 < n_valid).astype(jnp.float32)
+          out = []
+          for t in ts:
+            s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
+            x = plgpu.load(ring_lat.at[slot, t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)],
+                           layout=dequant_layout(), optimized=True).astype(jnp.float16)
+            x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
+            if masked:
+              ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+              x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+            out.append(x)
+          return tuple(out)
+
+        return lax.cond(n_valid >= (w + 1) * TOK, lambda: convert(False), lambda: convert(True))
+
+      def store_tiles(ts, xs):
+        toks = pl.ds(w * TOK, TOK)
+        for t, x in zip(ts, xs):
+          kbuf[t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
+
+      def no_tiles(ts):
+        return tuple(plgpu.layout_cast(jnp.zeros((TOK, FP8_TILE), jnp.float16), dequant_layout()) for _ in ts)
+
       def seg(b, ctr):
         lo, hi = seq_pages(b)
         length = lens_ref[b]
+
+        def finish(acc, m_i, l_i):
+          # row sums of both token halves (same scale history in both warpgroups: one max per page)
+          lx[w] = l_i
+          plgpu.barrier_arrive(lbar)
+          plgpu.barrier_wait(lbar)
+          l_other = plgpu.load(lx.at[1 - w], layout=row_layout, optimized=False)
+          l_sum = l_i + l_other
+          seen = l_sum > 0
+          inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
+          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
+          o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+          if w == 0:
+            lse_ref[eg] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
 
         @pl.when(hi > lo)
         def _segment():
@@ -353,22 +411,107 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.barrier_arrive(kfree if fp8 else consumed.at[slot])
             return acc, m_new, l_i
 
-          acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+          def prefetched_pages(acc_ref, m0, l0):
+            """fp8, one slot, prefetch_tiles = k: a page's P.V is issued and, while it runs, the next page of the
+            segment is waited for and its first k dequant tiles loaded and converted into registers; they are
+            stored into kbuf after kfree, with the other 4 - k tiles converted then. The same hand-offs as `page`:
+            kfree before kbuf is rewritten, consumed after the last read of the slot. On the GPU O stays in
+            acc_ref, this scope's accumulator for the whole segment (zero at its start; `page` cannot carry
+            registers out of its P.V's run_state); interpret mode (acc_ref None: no accumulator writes, no
+            register A operand there) carries O as a value and adds each page's P.V from a fresh accumulator."""
+            early = tuple(range(plan.prefetch_tiles))
+            late = tuple(range(plan.prefetch_tiles, LATENT_DIM // FP8_TILE))
+            toks = pl.ds(w * TOK, TOK)
+            plgpu.barrier_wait(loaded.at[lax.rem(ctr, stages)])
+            pre0 = load_tiles(lax.rem(ctr, stages), length - lo * PAGE, early)
+
+            def page_pf(j, carry):
+              m_i, l_i, pre, *acc = carry
+              c = ctr + (j - lo)
+              slot = lax.rem(c, stages)
+              n_valid = length - j * PAGE
+
+              @pl.when(c > 0)
+              def _():
+                plgpu.barrier_wait(kfree)       # both P.Vs of the previous page are done reading kbuf
+
+              store_tiles(early, pre)
+              if late:
+                store_tiles(late, load_tiles(slot, n_valid, late))
+              krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
+              plgpu.commit_smem()               # this warpgroup's tiles visible to its wgmma
+              plgpu.barrier_arrive(consumed.at[slot])     # the fp8 slot is read: the producer may refill it
+
+              def qk(s_ref):
+                for cc in range(LATENT_DIM // CHUNK):
+                  k_tile = kbuf.at[cc // 4, toks, pl.ds((cc % 4) * CHUNK, CHUNK)]
+                  plgpu.wgmma(s_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
+                plgpu.wgmma(s_ref, qr_smem, krope.at[toks].T)
+                plgpu.wgmma_wait(0)
+                return s_ref[...]
+
+              s = pl.run_scoped(qk, plgpu.ACC((ROWS, TOK), jnp.float32))
+              s = s * scale_log2
+              s = jnp.where(j * PAGE + tok_iota < limit, s, -jnp.inf)
+              m_mine = s.max(axis=1)
+              mx[w] = m_mine
+              plgpu.barrier_arrive(mbar)
+              plgpu.barrier_wait(mbar)
+              m_other = plgpu.load(mx.at[1 - w], layout=row_layout, optimized=False)
+              m_new = jnp.maximum(m_i, jnp.maximum(m_mine, m_other))
+              m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+              alpha = jnp.exp2(m_i - m_use)
+              p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+              l_i = l_i * alpha + p.sum(axis=1)
+              alpha_o = lax.broadcast_in_dim(alpha, (ROWS, HALF), [0])
+              if acc_ref is not None:
+                acc_ref[...] = acc_ref[...] * alpha_o
+              else:
+                acc = [acc[0] * alpha_o]
+              pbuf[:, toks] = p.astype(dt)
+              plgpu.commit_smem()
+              plgpu.barrier_arrive(pbar)
+              plgpu.barrier_wait(pbar)
+              def next_page():
+                nxt = lax.rem(c + 1, stages)
+                plgpu.barrier_wait(loaded.at[nxt])
+                return load_tiles(nxt, n_valid - PAGE, early)
+
+              if acc_ref is not None:
+                plgpu.wgmma(acc_ref, plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False), kbuf.at[w])
+                pre = lax.cond(j + 1 < hi, next_page, lambda: no_tiles(early))     # while P.V runs
+                plgpu.wgmma_wait(0)
+              else:
+                def pv(tmp_ref):
+                  plgpu.wgmma(tmp_ref, pbuf, kbuf.at[w])
+                  nxt_tiles = lax.cond(j + 1 < hi, next_page, lambda: no_tiles(early))
+                  plgpu.wgmma_wait(0)
+                  return tmp_ref[...], nxt_tiles
+
+                d, pre = pl.run_scoped(pv, plgpu.ACC((ROWS, HALF), jnp.float32))
+                acc = [acc[0] + d]
+              plgpu.barrier_arrive(kfree)
+              return (m_new, l_i, pre, *acc)
+
+            if acc_ref is not None:
+              m_i, l_i, _ = lax.fori_loop(lo, hi, page_pf, (m0, l0, pre0))
+              return acc_ref[...], m_i, l_i
+            acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
+            m_i, l_i, _, acc = lax.fori_loop(lo, hi, page_pf, (m0, l0, pre0, acc0))
+            return acc, m_i, l_i
+
           m0 = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
           l0 = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+          if plan.prefetch_tiles:
+            if on_gpu:
+              finish(*pl.run_scoped(lambda acc_ref: prefetched_pages(acc_ref, m0, l0),
+                                    plgpu.ACC((ROWS, HALF), jnp.float32)))
+            else:
+              finish(*prefetched_pages(None, m0, l0))
+            return
+          acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
           acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
-          # row sums of both token halves (same scale history in both warpgroups: one max per page)
-          lx[w] = l_i
-          plgpu.barrier_arrive(lbar)
-          plgpu.barrier_wait(lbar)
-          l_other = plgpu.load(lx.at[1 - w], layout=row_layout, optimized=False)
-          l_sum = l_i + l_other
-          seen = l_sum > 0
-          inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
-          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
-          o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-          if w == 0:
-            lse_ref[eg] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+          finish(acc, m_i, l_i)
 
         return ctr + jnp.maximum(hi - lo, 0)
 

@@ -38,6 +38,11 @@ QKs are done with it, so QK reads the page's rope from the slot (no rope copy) a
 QK; Q's rope is loaded from GMEM once a segment into registers, the rope wgmma's A operand (interpret mode:
 through a per-warpgroup SMEM copy). Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
 
+fp8 with prefetch_tiles = k (opt-in, 1 slot; +2% at k = 2 on an H200, slower at 4, NOTES.md): while a page's
+P.V runs, the next page of the segment is waited for and its first k dequant tiles are loaded and converted into
+registers, stored after kfree. On the GPU O then lives in one accumulator for the whole segment (a page's P.V
+cannot carry registers out of its run_state); interpret mode keeps O as a value (bit-identical results).
+
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
 Mosaic's shared cross-warp reduction scratch (NOTES.md's trap) is never used.

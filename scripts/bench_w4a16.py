@@ -41,13 +41,17 @@ def expert_bytes(w: layout.W4A16Weight) -> int:
 
 
 def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="triton"):
+  """config: the kernel config; a "block_m" key (as bench_moe takes) becomes the dense kernel's min_block_m."""
   key = jax.random.key(0)
+  kernel_config = dict(config or {})
+  if "block_m" in kernel_config:
+    kernel_config["min_block_m"] = kernel_config.pop("block_m")
   for (k, n) in DENSE_SHAPES[:2] if quick else DENSE_SHAPES:
     w = layout.random_weight(key, (), k, n, 64)
     wb = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.01
     for m in ms:
       xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(2)]
-      f_tri = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=backend, config=config))
+      f_tri = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=backend, config=kernel_config))
       f_xla = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend="xla"))
       f_bf16 = jax.jit(lambda x, w: x @ w)
       err = rel_err(f_tri(xs[0], w), f_xla(xs[0], w)) if check else None
@@ -64,7 +68,10 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="trit
 
 
 def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), backend="triton"):
+  """config: the kernel config, plus optionally "block_m" (w4a16_moe's row block; default api.default_block_m)."""
   e, d, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
+  kernel_config = dict(config or {})
+  block_m = kernel_config.pop("block_m", None)
   for g in groups:
     w13 = layout.random_weight(jax.random.key(1), (e,), d, i, g, gate_up=True)
     w2 = layout.random_weight(jax.random.key(2), (e,), i, d, g)
@@ -75,18 +82,18 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
         ids, wts = routing.uniform_random(jax.random.key(100 + s), t, e, k)
         sets.append((jax.random.normal(jax.random.key(200 + s), (t, d), jnp.bfloat16), ids, wts))
       f_tri = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend=backend,
-                                                                  config=config))
+                                                                  block_m=block_m, config=kernel_config))
       err = None
       if t in check_ts:
         f_xla = jax.jit(lambda x, ids, wts, w13, w2: api.w4a16_moe(x, ids, wts, w13, w2, backend="xla"))
         err = rel_err(f_tri(*sets[0], w13, w2), f_xla(*sets[0], w13, w2))
       t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets], max_calls=500)
       # the two grouped kernels alone, routing precomputed: the rest of t_tri is routing.align and combine
-      bm = api.default_block_m(t, k, e)
+      bm = block_m or api.default_block_m(t, k, e)
       rts = [routing.align(s[1], s[2], e, bm) for s in sets]
       busy = min(rts[0].num_blocks, e, t * k)
       kmod = api.KERNEL_BACKENDS[backend]
-      f_kern = jax.jit(lambda x, rt, w13, w2: kmod.moe(x, rt, w13, w2, busy_blocks=busy, config=config))
+      f_kern = jax.jit(lambda x, rt, w13, w2: kmod.moe(x, rt, w13, w2, busy_blocks=busy, config=kernel_config))
       t_kern = time_calls(f_kern, [(s[0], rt, w13, w2) for s, rt in zip(sets, rts)], max_calls=500)
       dev = device_time(f_tri, *sets[0], w13, w2)
       t_xla = None
@@ -98,7 +105,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
       rows.append(dict(op="moe", backend=backend, t=t, group=g, experts_used=used, us=t_tri * 1e6, kernels_us=t_kern * 1e6,
                        device_us=dev["us"], kernels=dev.get("kernels"),
                        xla_us=None if t_xla is None else t_xla * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
-                       pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3),
+                       pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, floor_us=nbytes / (ceiling * 1e3), block_m=bm,
                        rel_err_vs_xla=err, config=config))
       print(rows[-1], flush=True)
 

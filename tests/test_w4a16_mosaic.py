@@ -182,3 +182,45 @@ def test_moe_interpret_gated_k_split(splits, overlap, persistent):
   y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
                     config=dict(splits=splits, overlap=overlap, persistent=persistent, num_ctas=3))
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
+@pytest.mark.parametrize("m,k,n,g,splits", [(1, 512, 192, 64, 1), (7, 768, 128, 128, 3), (13, 512, 192, 32, 1)])
+def test_dense_interpret_block_m_8_vs_float64(m, k, n, g, splits):
+  """min_block_m 8: M = 1 and 7 run one 8-row block (wgmma N = 8), M = 13 two of them."""
+  rng = np.random.default_rng(200 + m)
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  y = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True,
+                       config=dict(min_block_m=8, splits=splits, num_ctas=3))
+  assert y.shape == (m, n)
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+
+
+def test_moe_interpret_block_m_8_vs_float64():
+  rng = np.random.default_rng(8)
+  e, d, i, g, t, k = 5, 512, 128, 64, 9, 3
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  # expert 0 in every token: 9 rows, two 8-row blocks
+  ids = np.stack([[0, *rng.choice(np.arange(1, e), k - 1, replace=False)] for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
+                    block_m=8, config=dict(num_ctas=3))
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
+@pytest.mark.parametrize("config", [dict(min_block_m=8), dict(min_block_m=8, num_stages=6),
+                                    *(dict(ablate=a) for a in ms.ABLATIONS if a)])
+def test_block_m_8_and_ablations_lower_for_sm90(config):
+  """The configs the GPU sweep times build for CUDA (the ablations give wrong outputs by design: timing only)."""
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(1), 512, 320, 64), 64, xp=np))
+  x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(config, num_ctas=132)), x, w)
+  assert "wgmma" in text or config.get("ablate") == "load_only"
+
+
+def test_unknown_ablation_is_refused():
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
+  with pytest.raises(ValueError, match="ablate"):
+    ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(ablate="everything"), interpret=True)

@@ -57,7 +57,7 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1)
+                      planes_per_wgmma=1, min_block_m=16, ablate=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -71,6 +71,12 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # call. H200, a5f4223, MoE g128 T = 1 / 16 / 64: P = 1 94.1 / 890.8 / 1,868 µs, P = 4 93.0 / 864.9 / 1,866 (NOTES v8).
 # Measured and removed (NOTES v8): plane_split, two consumer warpgroups per 64-column sub-tile, each decoding half of
 # every chunk's nibble planes (5 warpgroups): 4-6% slower than one (MoE g64 T = 64 2,033 vs 1,924 µs, b2fe5dd).
+# min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
+# ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
+# --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
+# (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
+# scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3).
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode")
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -135,12 +141,13 @@ def _nibble_asm(j: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_planes_gpu(planes_per_array: int = 1):
+def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False):
   """The register decode for arrays of `planes_per_array` (P) consecutive planes: words [32, 64] int32
   (WORDS_LAYOUT) -> 8 / P arrays [64, 32 P] bf16 (WGMMA layout); array i = (W^T of chunk rows 32 P i..) + 128,
   built register by register with inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
   along axis 1, so an array of P planes is the planes' register arrays concatenated there
-  (tests/test_w4a16_mosaic.py checks that against the layout's tiling)."""
+  (tests/test_w4a16_mosaic.py checks that against the layout's tiling). raw: the "decode" ablation (the words
+  bitcast, wrong values)."""
   p_arr = planes_per_array
   out_type = plgpu.ShapeDtypeStruct((SUB_N, PLANE * p_arr), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
@@ -159,7 +166,7 @@ def _decode_planes_gpu(planes_per_array: int = 1):
       raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
     for aidx, (lo, hi) in pairs.items():
       for j in range(layout.NIBBLES):
-        packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
+        packed = ((lo, hi)[j % 2] if raw else llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r"))
         planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
     return tuple(mgpu.FragmentedArray(_registers=np.concatenate(planes[i:i + p_arr], axis=1),
                                       _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -210,7 +217,7 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 planes_per_wgmma: int = 1):
+                 planes_per_wgmma: int = 1, ablate: str | None = None):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -218,6 +225,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if ppw not in (1, 2, 4, 8) or ppg % ppw:
     raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8 and divide the {ppg} "
                      f"planes of a {group}-row group (one scale per wgmma operand).")
+  if ablate not in ABLATIONS:
+    raise ValueError(f"w4a16 mosaic_sm90: ablate {ablate!r} is not one of {ABLATIONS}.")
   stages = num_stages
   on_gpu = not interpret
   split = splits > 1
@@ -305,6 +314,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             def _():
               plgpu.barrier_wait(consumed.at[slot])
 
+            if ablate == "compute_only":     # the arrivals the copies would make, no bytes
+              for _ in range(3 * NUM_CONSUMERS + 1):
+                plgpu.barrier_arrive(loaded.at[slot])
+              return ()
             for w in range(NUM_CONSUMERS):
               col = pl.ds(column(p, w), SUB_N)
               plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
@@ -332,6 +345,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           plgpu.set_max_registers(consumer_registers, action="increase")
 
         def chunk_products(acc_ref, slot):
+          if ablate == "load_only":
+            return
           zs_list = []
           for gi in range(gpc):
             if on_gpu:
@@ -343,14 +358,16 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
                         lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
+          if ablate == "fold":
+            zs_list = []
           if on_gpu:
             words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            arrays = _decode_planes_gpu(ppw)(words)
+            arrays = _decode_planes_gpu(ppw, raw=ablate == "decode")(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
           # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
           weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) * s, bf16
-                     for i, a in enumerate(arrays)]
+                     for i, a in enumerate(arrays)] if zs_list else list(arrays)
           for i, a in enumerate(weights):
             xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:
@@ -496,7 +513,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
-                      planes_per_wgmma=int(cfg["planes_per_wgmma"]))
+                      planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"])
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:
@@ -512,8 +529,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 16 / 32 / 64 per block."""
-  return routing.dense_matmul(grouped_matmul, x, w, config={**DENSE_CONFIG, **(config or {})},
-                              interpret=interpret, out_dtype=out_dtype)
+  cfg = {**DENSE_CONFIG, **(config or {})}
+  return routing.dense_matmul(grouped_matmul, x, w, config=cfg, interpret=interpret, out_dtype=out_dtype,
+                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])))
 
 
 def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,

@@ -89,7 +89,7 @@ def bench_moe(rows, ceiling, ts, groups, xla_ts, config=None, check_ts=(16,), ba
         err = rel_err(f_tri(*sets[0], w13, w2), f_xla(*sets[0], w13, w2))
       t_tri = time_calls(f_tri, [(*s, w13, w2) for s in sets], max_calls=500)
       # the two grouped kernels alone, routing precomputed: the rest of t_tri is routing.align and combine
-      bm = block_m or api.default_block_m(t, k, e)
+      bm = block_m or api.default_block_m(t, k, e, backend)
       rts = [routing.align(s[1], s[2], e, bm) for s in sets]
       busy = min(rts[0].num_blocks, e, t * k)
       kmod = api.KERNEL_BACKENDS[backend]

@@ -224,3 +224,41 @@ def test_unknown_ablation_is_refused():
   w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
   with pytest.raises(ValueError, match="ablate"):
     ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(ablate="everything"), interpret=True)
+
+
+@pytest.mark.parametrize("g,m,persistent,splits", [(64, 7, True, 1), (128, 16, True, 2), (32, 9, False, 1)])
+def test_convert_in_producer_gives_the_same_bits(g, m, persistent, splits):
+  """Scales and zeros converted once per stage by the producer: the same bf16 s and 128 + z, so the same output
+  bits as the consumers converting them (across units and K splits: the conversion runs one chunk behind)."""
+  rng = np.random.default_rng(300 + g)
+  q, z, s = rand_awq(rng, 1024, 320, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+  base = dict(persistent=persistent, splits=splits, num_ctas=3)
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
+  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, convert_in_producer=True))
+  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+
+
+def test_convert_in_producer_moe_and_lowering():
+  rng = np.random.default_rng(31)
+  e, d, i, g, t, k = 5, 512, 128, 64, 6, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True,
+                    config=dict(convert_in_producer=True, num_ctas=2))
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+  xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  for cfg in (dict(convert_in_producer=True), dict(convert_in_producer=True, ablate="compute_only")):
+    text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(cfg, num_ctas=132)), xs, w2_one(w13))
+    assert "wgmma" in text
+  with pytest.raises(ValueError, match="num_stages >= 3"):
+    ms.matmul(x, w2_one(w13), config=dict(convert_in_producer=True, num_stages=2), interpret=True)
+
+
+def w2_one(w13):
+  """Expert 0 of a stack as one weight."""
+  return jax.tree.map(lambda a: a[0], w13)

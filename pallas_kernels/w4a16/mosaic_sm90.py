@@ -57,7 +57,7 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, min_block_m=16, ablate=None)
+                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, ablate=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -71,7 +71,12 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # call. H200, a5f4223, MoE g128 T = 1 / 16 / 64: P = 1 94.1 / 890.8 / 1,868 µs, P = 4 93.0 / 864.9 / 1,866 (NOTES v8).
 # Measured and removed (NOTES v8): plane_split, two consumer warpgroups per 64-column sub-tile, each decoding half of
 # every chunk's nibble planes (5 warpgroups): 4-6% slower than one (MoE g64 T = 64 2,033 vs 1,924 µs, b2fe5dd).
+# convert_in_producer: the producer warpgroup converts each stage's scales (float16) and zeros (uint8) to the
+# bfloat16 s and 128 + z the fold multiplies, once per chunk (4 values per producer thread), one chunk behind its
+# copies; the consumers load them ready. Without it every consumer thread converts its two rows' s and z itself
+# (~8 instructions per row and group). The same values, so the same output bits. Needs num_stages >= 3.
 # min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
+# 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -198,17 +203,17 @@ def _store_transposed_gpu(acc, out_ref):
   store(acc, out_ref)
 
 
-def smem_bytes(block_m: int, group: int, stages: int) -> int:
+def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False) -> int:
   per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
-               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * 3
+               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (7 if convert else 3)
                + block_m * layout.CHUNK_K * 2)
   return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
 
 
-def default_stages(block_m: int, group: int, most: int = 4) -> int:
+def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False) -> int:
   """The deepest ring (at most `most` stages) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
   stages = most
-  while stages > 2 and smem_bytes(block_m, group, stages) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(block_m, group, stages, convert) > SMEM_LIMIT:
     stages -= 1
   return stages
 
@@ -217,7 +222,7 @@ def default_stages(block_m: int, group: int, most: int = 4) -> int:
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 planes_per_wgmma: int = 1, ablate: str | None = None):
+                 planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -235,9 +240,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   gate_in_kernel = gated and not split
   if block_m % 8 or not 8 <= block_m <= 256:
     raise ValueError(f"w4a16 mosaic_sm90: block_m {block_m} must be a multiple of 8 in [8, 256].")
-  if smem_bytes(block_m, group, stages) > SMEM_LIMIT:
+  convert = convert_in_producer
+  if convert and stages < 3:
+    raise ValueError(f"w4a16 mosaic_sm90: convert_in_producer converts chunk i - 1 after issuing chunk i's copies, "
+                     f"so it needs num_stages >= 3, got {stages}.")
+  if smem_bytes(block_m, group, stages, convert) > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
-                     f"{smem_bytes(block_m, group, stages)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
+                     f"{smem_bytes(block_m, group, stages, convert)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
 
   scratch = dict(
       ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
@@ -245,10 +254,17 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       ring_z=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.uint8),
       ring_x=plgpu.SMEM((stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
       xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
-      loaded=plgpu.Barrier(num_arrivals=3 * NUM_CONSUMERS + 1, num_barriers=stages),
+      # the copies of a stage (weights, x; scales and zeros too unless the producer converts them, then its one
+      # arrival after converting)
+      loaded=plgpu.Barrier(num_arrivals=NUM_CONSUMERS + 2 if convert else 3 * NUM_CONSUMERS + 1,
+                           num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
       upbar=plgpu.Barrier(num_arrivals=1),
       xfree=plgpu.Barrier(num_arrivals=1))
+  if convert:
+    scratch["ring_sb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
+    scratch["ring_zb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
+    scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=stages)
   if not on_gpu:
     scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
@@ -302,6 +318,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(producer_registers, action="decrease")
 
+        def convert_stage(g):
+          """Stage of chunk g: bfloat16 s and 128 + z for the consumers (exact: 128..143), then its arrival."""
+          slot = lax.rem(g, stages)
+          plgpu.barrier_wait(r["sz_loaded"].at[slot])
+          r["ring_sb"][slot] = ring_s[slot].astype(jnp.float32).astype(jnp.bfloat16)
+          r["ring_zb"][slot] = (ring_z[slot].astype(jnp.float32) + 128.0).astype(jnp.bfloat16)
+          plgpu.commit_smem()               # this warpgroup's stores, before its one arrival
+          plgpu.barrier_arrive(loaded.at[slot])
+
         def produce(info, first):
           b, p, _, expert, c_lo, n_steps = info
 
@@ -315,26 +340,30 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               plgpu.barrier_wait(consumed.at[slot])
 
             if ablate == "compute_only":     # the arrivals the copies would make, no bytes
-              for _ in range(3 * NUM_CONSUMERS + 1):
+              for _ in range(NUM_CONSUMERS + 2 if convert else 3 * NUM_CONSUMERS + 1):
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
+            sz_bar = r["sz_loaded"].at[slot] if convert else loaded.at[slot]
             for w in range(NUM_CONSUMERS):
               col = pl.ds(column(p, w), SUB_N)
               plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
                                       loaded.at[slot])
-              plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w],
-                                      loaded.at[slot])
-              plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w],
-                                      loaded.at[slot])
+              plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
+              plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
             plgpu.copy_gmem_to_smem(
                 x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
                 ring_x.at[slot], loaded.at[slot])
+            if convert:
+              # chunk g - 1's scales and zeros have had one chunk's copies' time to land
+              pl.when(g > 0)(lambda: convert_stage(g - 1))
             return ()
 
           lax.fori_loop(0, n_steps, step, ())
           return n_steps
 
         total = for_each_unit(produce)
+        if convert and ablate != "compute_only":
+          pl.when(total > 0)(lambda: convert_stage(total - 1))
         for i in range(stages):       # observe the release of the last stages: no barrier phase left pending
           @pl.when(total + i >= stages)
           def _():
@@ -349,13 +378,17 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             return
           zs_list = []
           for gi in range(gpc):
-            if on_gpu:
-              s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
-              z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
+            if convert:
+              s16, z16 = [plgpu.load(ref.at[slot, w, gi], layout=_ROW, optimized=False) if on_gpu
+                          else ref[slot, w, gi] for ref in (r["ring_sb"], r["ring_zb"])]
             else:
-              s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
-            s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
-            z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
+              if on_gpu:
+                s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
+                z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
+              else:
+                s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
+              s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
+              z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
                         lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
           if ablate == "fold":
@@ -498,7 +531,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
-  stages = cfg["num_stages"] or default_stages(block_m, w.group_size)
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]))
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
@@ -513,7 +546,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
-                      planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"])
+                      planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
+                      convert_in_producer=bool(cfg["convert_in_producer"]))
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
   if splits > 1:
@@ -528,7 +562,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
 
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
-  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 16 / 32 / 64 per block."""
+  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 8 / 16 / 32 / 64 per block."""
   cfg = {**DENSE_CONFIG, **(config or {})}
   return routing.dense_matmul(grouped_matmul, x, w, config=cfg, interpret=interpret, out_dtype=out_dtype,
                               min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])))

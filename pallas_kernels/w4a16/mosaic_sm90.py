@@ -81,7 +81,9 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
 # scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3).
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode")
+# "fold_fma" (one fma.rn.bf16x2 per register, A = (128 + q) s + bf16(-(128 + z) s): what a one-instruction fold
+# would cost, its bias rounding left uncorrected).
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
 DENSE_CONFIG = dict(target_programs=1056)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -189,6 +191,25 @@ def _decode_planes_jnp(words, planes_per_array: int = 1):
     out.append(lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16).T)
   return tuple(jnp.concatenate(out[i:i + planes_per_array], axis=1)
                for i in range(0, layout.NIBBLES, planes_per_array))
+
+
+@functools.lru_cache(maxsize=None)
+def _fma_gpu(cols: int):
+  """a * b + c on [64, cols] bf16 WGMMA-layout arrays, one fma.rn.bf16x2 per register (Mosaic emits a mul and an
+  add)."""
+  out_type = plgpu.ShapeDtypeStruct((SUB_N, cols), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3, return_type=out_type)
+  def fma(_ctx, a, b, c):
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    i32 = ir.IntegerType.get_signless(32)
+    regs = np.empty(a.registers.shape, dtype=object)
+    for idx in np.ndindex(*a.registers.shape):
+      ops = [mgpu.utils.bitcast(v.registers[idx], i32) for v in (a, b, c)]
+      regs[idx] = mgpu.utils.bitcast(llvm.inline_asm(i32, ops, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r"), bf16x2)
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return fma
 
 
 def _store_transposed_gpu(acc, out_ref):
@@ -399,8 +420,14 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
           # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
-          weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) * s, bf16
-                     for i, a in enumerate(arrays)] if zs_list else list(arrays)
+          if ablate == "fold_fma" and on_gpu:
+            # zs_list entries are (128 + z, s) broadcasts: bias -(128 + z) s rounded to bf16
+            weights = [_fma_gpu(ppw * PLANE)(a, zs_list[2 * (i * ppw // ppg) + 1],
+                                             -(zs_list[2 * (i * ppw // ppg)] * zs_list[2 * (i * ppw // ppg) + 1]))
+                       for i, a in enumerate(arrays)]
+          else:
+            weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) s, bf16
+                       for i, a in enumerate(arrays)] if zs_list else list(arrays)
           for i, a in enumerate(weights):
             xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:

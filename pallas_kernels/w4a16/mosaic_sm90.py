@@ -42,7 +42,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm, memref, vector
+from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import gpu_interpret
 from pallas_kernels.w4a16 import layout, routing
@@ -57,7 +57,7 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, ablate=None)
+                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -75,6 +75,13 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # bfloat16 s and 128 + z the fold multiplies, once per chunk (4 values per producer thread), one chunk behind its
 # copies; the consumers load them ready. Without it every consumer thread converts its two rows' s and z itself
 # (~8 instructions per row and group). The same values, so the same output bits. Needs num_stages >= 3.
+# fold: how A = (q - z) s is formed from 128 + q. "sub_mul": a bf16 sub and mul per register (2 instructions).
+# "fma": one fma.rn.bf16x2, A = (128 + q) s + c with c = bf16(-(128 + z) s); c's rounding error e (exact in bf16:
+# the residual of rounding a 16-bit product to 8 bits) is the same for a whole group and column, so it is taken
+# out by one more k16 wgmma per chunk: acc -= e . X, X the per-group sums of x split into bf16 hi + lo (XLA computes
+# them, TMA streams them with x). Needs convert_in_producer (the producer forms s, c and -e per stage).
+FOLDS = ("sub_mul", "fma")
+CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs of one chunk, zero-padded
 # min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
@@ -95,6 +102,7 @@ WORDS_LAYOUT = plgpu.Layout.TILED(mgpu.fragmented_array.Tiling(_WORDS_TILING), w
                                  vector_dim=-1)
 _W_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))       # int32 rows of 128 bytes
 _X_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))        # bf16 [bm, 32] plane = one tile column
+_XS_SWZ = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))       # bf16 [*, 16]: the correction operands
 _ROW = plgpu.Layout.WGMMA.reduce(1)         # [64] per A row (weight column): each thread's two rows
 
 
@@ -212,6 +220,47 @@ def _fma_gpu(cols: int):
   return fma
 
 
+@functools.lru_cache(maxsize=None)
+def _corr_operand_gpu(gpc: int):
+  """ref [gpc, 64] bf16 (-e per group and weight column, SMEM) -> the correction wgmma's A operand [64, 16] bf16
+  (WGMMA layout): element (n, k) = -e[k // 2, n] for k // 2 < gpc, else 0. In the WGMMA layout the thread of lane
+  l in warp v holds rows n = 16 v + l // 4 (+ 8) and columns k = 2 (l % 4) + {0, 1} (+ 8), so each register is
+  one value twice: 4 scalar loads per thread (tests/test_w4a16_mosaic.py checks the layout formula)."""
+  out_type = plgpu.ShapeDtypeStruct((SUB_N, CORR_K), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=out_type)
+  def build(_ctx, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    idx_t = ir.IndexType.get()
+    bf16 = ir.BF16Type.get()
+    bf16x2 = ir.VectorType.get((2,), bf16)
+    cst = lambda v: mgpu.utils.c(v, i32)
+    tid = mgpu.utils.thread_idx()
+    lane = arith.remui(tid, cst(32))
+    warp = arith.remui(arith.divui(tid, cst(32)), cst(4))
+    quad = arith.remui(lane, cst(4))
+    row0 = arith.addi(arith.muli(warp, cst(16)), arith.divui(lane, cst(4)))
+    zero = vector.broadcast(bf16x2, arith.constant(bf16, ir.FloatAttr.get(bf16, 0.0)))
+    shape = mgpu.WGMMA_LAYOUT.registers_shape((SUB_N, CORR_K))
+    regs = np.empty(shape, dtype=object)
+    for idx in np.ndindex(*shape):
+      row_off, col_half = 8 * idx[4], idx[1]
+      if 4 * col_half >= gpc:                      # every lane's group is past the chunk's: zero
+        regs[idx] = zero
+        continue
+      g = arith.addi(quad, cst(4 * col_half))
+      g_clamped = arith.minui(g, cst(gpc - 1))
+      n = arith.addi(row0, cst(row_off))
+      v = memref.load(ref, [arith.index_cast(idx_t, g_clamped), arith.index_cast(idx_t, n)])
+      pair = vector.broadcast(bf16x2, v)
+      if 4 * col_half + 4 > gpc:                   # some lanes' groups are past the chunk's
+        pair = arith.select(arith.cmpi(arith.CmpIPredicate.ult, g, cst(gpc)), pair, zero)
+      regs[idx] = pair
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return build
+
+
 def _store_transposed_gpu(acc, out_ref):
   """out_ref [bm, 64] (GMEM) <- acc [64, bm]^T, one scalar store per element (rows of a block are few; the
   transpose is free in registers)."""
@@ -224,17 +273,17 @@ def _store_transposed_gpu(acc, out_ref):
   store(acc, out_ref)
 
 
-def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False) -> int:
+def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False) -> int:
   per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
-               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (7 if convert else 3)
-               + block_m * layout.CHUNK_K * 2)
+               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (3 + 4 * convert + 2 * fma)
+               + block_m * (layout.CHUNK_K + CORR_K * fma) * 2)
   return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
 
 
-def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False) -> int:
+def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False, fma: bool = False) -> int:
   """The deepest ring (at most `most` stages) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
   stages = most
-  while stages > 2 and smem_bytes(block_m, group, stages, convert) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(block_m, group, stages, convert, fma) > SMEM_LIMIT:
     stages -= 1
   return stages
 
@@ -243,7 +292,8 @@ def default_stages(block_m: int, group: int, most: int = 4, convert: bool = Fals
 def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chunks_per_split: int, n_chunks: int,
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
-                 planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False):
+                 planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
+                 fold: str = "sub_mul"):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -262,13 +312,19 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if block_m % 8 or not 8 <= block_m <= 256:
     raise ValueError(f"w4a16 mosaic_sm90: block_m {block_m} must be a multiple of 8 in [8, 256].")
   convert = convert_in_producer
+  if fold not in FOLDS:
+    raise ValueError(f"w4a16 mosaic_sm90: fold {fold!r} is not one of {FOLDS}.")
+  fma = fold == "fma"
+  if fma and not convert:
+    raise ValueError("w4a16 mosaic_sm90: fold='fma' needs convert_in_producer=True (the producer forms s, c and -e).")
   if convert and stages < 3:
     raise ValueError(f"w4a16 mosaic_sm90: convert_in_producer converts chunk i - 1 after issuing chunk i's copies, "
                      f"so it needs num_stages >= 3, got {stages}.")
-  if smem_bytes(block_m, group, stages, convert) > SMEM_LIMIT:
+  if smem_bytes(block_m, group, stages, convert, fma) > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
-                     f"{smem_bytes(block_m, group, stages, convert)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
+                     f"{smem_bytes(block_m, group, stages, convert, fma)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
 
+  n_loaded = (NUM_CONSUMERS + 2 + fma) if convert else 3 * NUM_CONSUMERS + 1
   scratch = dict(
       ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
       ring_s=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.float16),
@@ -277,8 +333,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
       # the copies of a stage (weights, x; scales and zeros too unless the producer converts them, then its one
       # arrival after converting)
-      loaded=plgpu.Barrier(num_arrivals=NUM_CONSUMERS + 2 if convert else 3 * NUM_CONSUMERS + 1,
-                           num_barriers=stages),
+      loaded=plgpu.Barrier(num_arrivals=n_loaded, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
       upbar=plgpu.Barrier(num_arrivals=1),
       xfree=plgpu.Barrier(num_arrivals=1))
@@ -286,6 +341,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
     scratch["ring_sb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
     scratch["ring_zb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
     scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=stages)
+  if fma:
+    scratch["ring_eb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)       # -e per group, column
+    scratch["ring_xs"] = plgpu.SMEM((stages, block_m, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
+    if not on_gpu:
+      scratch["corr_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
   if not on_gpu:
     scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
@@ -293,7 +353,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   persistent = num_ctas > 0
   units_per_block = tiles * splits
 
-  def body(block_expert_ref, n_used_ref, x_ref, w_ref, s_ref, z_ref, o_ref, *scratch_refs):
+  def body(block_expert_ref, n_used_ref, x_ref, w_ref, s_ref, z_ref, *refs):
+    if fma:
+      xs_ref, o_ref, *scratch_refs = refs
+    else:
+      o_ref, *scratch_refs = refs
     r = dict(zip(names, scratch_refs))
     ring_w, ring_s, ring_z, ring_x = r["ring_w"], r["ring_s"], r["ring_z"], r["ring_x"]
     loaded, consumed = r["loaded"], r["consumed"]
@@ -343,8 +407,16 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           """Stage of chunk g: bfloat16 s and 128 + z for the consumers (exact: 128..143), then its arrival."""
           slot = lax.rem(g, stages)
           plgpu.barrier_wait(r["sz_loaded"].at[slot])
-          r["ring_sb"][slot] = ring_s[slot].astype(jnp.float32).astype(jnp.bfloat16)
-          r["ring_zb"][slot] = (ring_z[slot].astype(jnp.float32) + 128.0).astype(jnp.bfloat16)
+          s16 = ring_s[slot].astype(jnp.float32).astype(jnp.bfloat16)
+          r["ring_sb"][slot] = s16
+          zb = ring_z[slot].astype(jnp.float32) + 128.0                      # exact: 128..143
+          if fma:
+            prod = zb * s16.astype(jnp.float32)             # (128 + z) s, exact in f32 (16 significant bits)
+            c16 = (-prod).astype(jnp.bfloat16)
+            r["ring_zb"][slot] = c16                        # the fma's bias
+            r["ring_eb"][slot] = (-(c16.astype(jnp.float32) + prod)).astype(jnp.bfloat16)   # -e, exact
+          else:
+            r["ring_zb"][slot] = zb.astype(jnp.bfloat16)
           plgpu.commit_smem()               # this warpgroup's stores, before its one arrival
           plgpu.barrier_arrive(loaded.at[slot])
 
@@ -361,7 +433,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               plgpu.barrier_wait(consumed.at[slot])
 
             if ablate == "compute_only":     # the arrivals the copies would make, no bytes
-              for _ in range(NUM_CONSUMERS + 2 if convert else 3 * NUM_CONSUMERS + 1):
+              for _ in range(n_loaded):
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
             sz_bar = r["sz_loaded"].at[slot] if convert else loaded.at[slot]
@@ -374,6 +446,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             plgpu.copy_gmem_to_smem(
                 x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
                 ring_x.at[slot], loaded.at[slot])
+            if fma:
+              plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * CORR_K, CORR_K)],
+                                      r["ring_xs"].at[slot], loaded.at[slot])
             if convert:
               # chunk g - 1's scales and zeros have had one chunk's copies' time to land
               pl.when(g > 0)(lambda: convert_stage(g - 1))
@@ -420,7 +495,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
           # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
-          if ablate == "fold_fma" and on_gpu:
+          if fma:
+            # zs_list entries are (c, s) broadcasts: A = (128 + q) s + c, one rounding
+            def fma_fold(a, sb, cb):
+              if on_gpu:
+                return _fma_gpu(ppw * PLANE)(a, sb, cb)
+              return (a.astype(jnp.float32) * sb.astype(jnp.float32) + cb.astype(jnp.float32)).astype(jnp.bfloat16)
+            weights = [fma_fold(a, zs_list[2 * (i * ppw // ppg) + 1], zs_list[2 * (i * ppw // ppg)])
+                       for i, a in enumerate(arrays)]
+          elif ablate == "fold_fma" and on_gpu:
             # zs_list entries are (128 + z, s) broadcasts: bias -(128 + z) s rounded to bf16
             weights = [_fma_gpu(ppw * PLANE)(a, zs_list[2 * (i * ppw // ppg) + 1],
                                              -(zs_list[2 * (i * ppw // ppg)] * zs_list[2 * (i * ppw // ppg) + 1]))
@@ -435,6 +518,16 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             else:
               r["a_smem"][w] = a
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
+          if fma:
+            # acc += (-e) . X: columns (group g, hi / lo) of the chunk, X's rows likewise
+            xst = r["ring_xs"].at[slot].transpose((1, 0))                                       # [16, bm]
+            if on_gpu:
+              plgpu.wgmma(acc_ref, _corr_operand_gpu(gpc)(r["ring_eb"].at[slot, w]), xst)
+            else:
+              e = r["ring_eb"][slot, w]                                                          # [gpc, 64]
+              a_c = jnp.pad(jnp.repeat(e.T, 2, axis=1), ((0, 0), (0, CORR_K - 2 * gpc)))
+              r["corr_smem"][w] = a_c
+              plgpu.wgmma(acc_ref, r["corr_smem"].at[w], xst)
 
         def consume(info, first):
           b, p, sp, _, _, n_steps = info
@@ -448,7 +541,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
-                plgpu.wgmma_wait(layout.NIBBLES // ppw)
+                plgpu.wgmma_wait(layout.NIBBLES // ppw + fma)
 
                 @pl.when(i > 0)
                 def _():
@@ -525,6 +618,19 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   return jax.jit(kernel)
 
 
+def group_sums(x: jax.Array, group: int) -> jax.Array:
+  """x [R, K_pad] -> [R, K_pad / 256 * 16] bf16: per 256-row chunk, for each quantization group g of it the sum
+  of x over the group split into hi = bf16(X) and lo = bf16(X - hi) at columns 2 g and 2 g + 1, zero past the
+  chunk's groups (the correction operand of fold='fma')."""
+  r, k_pad = x.shape
+  gpc = layout.CHUNK_K // group
+  sums = x.astype(jnp.float32).reshape(r, k_pad // group, group).sum(axis=-1)
+  hi = sums.astype(jnp.bfloat16)
+  lo = (sums - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  pairs = jnp.stack([hi, lo], axis=-1).reshape(r, k_pad // layout.CHUNK_K, 2 * gpc)
+  return jnp.pad(pairs, ((0, 0), (0, 0), (0, CORR_K - 2 * gpc))).reshape(r, -1)
+
+
 def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
   """x rows in block order [NB*bm, K_pad] bf16 (zero on padding rows and past K): TMA streams a block's tile."""
   valid = row_token >= 0
@@ -558,7 +664,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
-  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]))
+  fma = cfg["fold"] == "fma"
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]),
+                                               fma=fma)
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
@@ -568,15 +676,22 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
       xb = jnp.pad(xb[:, :w.k], ((0, 0), (0, w.k_pad - w.k)))
   else:
     xb = block_rows(x, row_token, w.k_pad)
+  extra = ()
+  if fma:     # the correction's X: from the token rows (gathered after: T rows, not NB * block_m), or in place
+    if x_in_block_order:
+      extra = (group_sums(xb, w.group_size),)
+    else:
+      xs = group_sums(jnp.pad(x, ((0, 0), (0, w.k_pad - x.shape[1]))), w.group_size)
+      extra = (jnp.where((row_token >= 0)[:, None], jnp.take(xs, jnp.maximum(row_token, 0), axis=0), 0),)
   call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
-                      convert_in_producer=bool(cfg["convert_in_producer"]))
+                      convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"])
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
-  out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros)
+  out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros, *extra)
   if splits > 1:
     out = out.sum(axis=0)
     if gated:

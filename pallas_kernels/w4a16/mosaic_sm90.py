@@ -93,6 +93,13 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
 DENSE_CONFIG = dict(target_programs=1056)
 
+
+def moe_config(group: int) -> dict:
+  """The MoE's defaults: the producer converts scales and zeros, the fold is one fma, two planes per wgmma where
+  a group has two (H200, 9845ab5, MoE E=256 D=7168 I=2048 top-8 g64, same process: T = 16 / 64 837 / 1,822 ->
+  820 / 1,772 µs, NOTES v9). Not for dense linears: their extra group-sum pass cost +5% at M = 1."""
+  return dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2 if group >= 2 * PLANE else 1)
+
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
 # operand W^T [64, 32] (WGMMA layout: warp n // 16, lane 4 (n % 8) + (r % 8) // 2, register (r // 8, (n % 16) // 8),
 # vector element r % 2) holds word (r, n). Vector length 1 along n: the SMEM tile is r-major, so r pairs are two
@@ -717,10 +724,11 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   bm = routing_.block_m
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
-                     config=config)
+                     config={**moe_config(w13.group_size), **(config or {})})
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
   y = grouped_matmul(h, w2, routing_.block_expert, routing.in_place_rows(routing_), routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
-                     interpret=interpret, config=config, x_in_block_order=True)
+                     interpret=interpret, config={**moe_config(w2.group_size), **(config or {})},
+                     x_in_block_order=True)
   return routing.combine(y[:, :w2.n], routing_, apply_weights=True)

@@ -308,3 +308,12 @@ def test_fold_fma_moe_vs_float64_and_lowering():
     assert "wgmma" in text
   with pytest.raises(ValueError, match="convert_in_producer"):
     ms.matmul(x, w2_one(w13), config=dict(fold="fma"), interpret=True)
+
+
+def test_moe_defaults_rule():
+  """The MoE's measured defaults: from 16 tokens on, producer conversion + fma fold (+ 2 planes per wgmma where a
+  group has two planes); below that the plain kernel."""
+  assert ms.moe_config(64, 1) == {} and ms.moe_config(128, 15) == {}
+  assert ms.moe_config(64, 16) == dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2)
+  assert ms.moe_config(128, 64)["planes_per_wgmma"] == 2 and ms.moe_config(32, 64)["planes_per_wgmma"] == 1
+  assert set(ms.moe_config(64, 64)) <= set(ms.DEFAULT_CONFIG)

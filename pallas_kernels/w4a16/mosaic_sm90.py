@@ -21,7 +21,9 @@ column (each thread's two rows): A = ((128 + q) - (128 + z)) * s in bf16 — the
 correction: one accumulator for the whole K range (wgmma never waits on a per-group epilogue, no per-group sum of
 x is needed), and the fold costs 2 bf16x2 instructions per 2 weights on the FMA pipe, which the int decode does not
 use. The price is precision: bf16 products like the xla path instead of exact f32 ones (docs/architecture.md §4
-tolerances hold).
+tolerances hold). The MoE from 16 tokens on uses fold="fma" instead (moe_config): one fma.rn.bf16x2 per register
+with a rounded bias, that bias's exact rounding error subtracted by one more k16 wgmma per chunk against the
+per-group sums of x.
 
 Interpret mode (CPU) runs neither a register A operand nor inline PTX: the same kernel decodes with jnp, stages A
 through an SMEM scratch and stores with jnp (`_INTERPRET_A`). GPU-only code paths are checked by lowering the
@@ -94,10 +96,13 @@ ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
-def moe_config(group: int) -> dict:
-  """The MoE's defaults: the producer converts scales and zeros, the fold is one fma, two planes per wgmma where
-  a group has two (H200, 9845ab5, MoE E=256 D=7168 I=2048 top-8 g64, same process: T = 16 / 64 837 / 1,822 ->
-  820 / 1,772 µs, NOTES v9). Not for dense linears: their extra group-sum pass cost +5% at M = 1."""
+def moe_config(group: int, tokens: int) -> dict:
+  """The MoE's defaults from 16 tokens on: the producer converts scales and zeros, the fold is one fma, two planes
+  per wgmma where a group has two. H200, MoE E=256 D=7168 I=2048 top-8, same process (NOTES v9): g64 T = 16 / 64
+  837 / 1,822 -> 820 / 1,772 µs (9845ab5); g128 T = 64 1,748 -> 1,742 (4d55308). Not below 16 tokens (T = 1:
+  g64 +1%, g128 +3%) nor for dense linears (the extra group-sum pass: +5% at M = 1)."""
+  if tokens < 16:
+    return {}
   return dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2 if group >= 2 * PLANE else 1)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
@@ -724,11 +729,11 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   bm = routing_.block_m
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
-                     config={**moe_config(w13.group_size), **(config or {})})
+                     config={**moe_config(w13.group_size, x.shape[0]), **(config or {})})
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
   y = grouped_matmul(h, w2, routing_.block_expert, routing.in_place_rows(routing_), routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
-                     interpret=interpret, config={**moe_config(w2.group_size), **(config or {})},
+                     interpret=interpret, config={**moe_config(w2.group_size, x.shape[0]), **(config or {})},
                      x_in_block_order=True)
   return routing.combine(y[:, :w2.n], routing_, apply_weights=True)

@@ -211,7 +211,9 @@ def test_moe_interpret_block_m_8_vs_float64():
 
 
 @pytest.mark.parametrize("config", [dict(min_block_m=8), dict(min_block_m=8, num_stages=6),
-                                    *(dict(ablate=a) for a in ms.ABLATIONS if a)])
+                                    *(dict(ablate=a) for a in ms.ABLATIONS if a),
+                                    dict(ablate="compute_only+fold+decode"),
+                                    dict(ablate="fold", convert_in_producer=True, fold="fma")])
 def test_block_m_8_and_ablations_lower_for_sm90(config):
   """The configs the GPU sweep times build for CUDA (the ablations give wrong outputs by design: timing only)."""
   w = to_device(layout.pack(*rand_awq(np.random.default_rng(1), 512, 320, 64), 64, xp=np))
@@ -224,6 +226,8 @@ def test_unknown_ablation_is_refused():
   w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
   with pytest.raises(ValueError, match="ablate"):
     ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(ablate="everything"), interpret=True)
+  with pytest.raises(ValueError, match="ablate"):
+    ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(ablate="fold+everything"), interpret=True)
 
 
 @pytest.mark.parametrize("g,m,persistent,splits", [(64, 7, True, 1), (128, 16, True, 2), (32, 9, False, 1)])

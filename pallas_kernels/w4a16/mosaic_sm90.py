@@ -90,6 +90,7 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
 # scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3).
+# Several join with "+": "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas.
 # "fold_fma" (one fma.rn.bf16x2 per register, A = (128 + q) s + bf16(-(128 + z) s): what a one-instruction fold
 # would cost, its bias rounding left uncorrected).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
@@ -313,8 +314,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if ppw not in (1, 2, 4, 8) or ppg % ppw:
     raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8 and divide the {ppg} "
                      f"planes of a {group}-row group (one scale per wgmma operand).")
-  if ablate not in ABLATIONS:
-    raise ValueError(f"w4a16 mosaic_sm90: ablate {ablate!r} is not one of {ABLATIONS}.")
+  ablations = set(ablate.split("+")) if ablate else set()
+  if not ablations <= set(ABLATIONS) - {None}:
+    raise ValueError(f"w4a16 mosaic_sm90: ablate {ablate!r} is not one of {ABLATIONS} or a '+'-joined set of them.")
   stages = num_stages
   on_gpu = not interpret
   split = splits > 1
@@ -444,7 +446,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             def _():
               plgpu.barrier_wait(consumed.at[slot])
 
-            if ablate == "compute_only":     # the arrivals the copies would make, no bytes
+            if "compute_only" in ablations:     # the arrivals the copies would make, no bytes
               for _ in range(n_loaded):
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
@@ -470,7 +472,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           return n_steps
 
         total = for_each_unit(produce)
-        if convert and ablate != "compute_only":
+        if convert and "compute_only" not in ablations:
           pl.when(total > 0)(lambda: convert_stage(total - 1))
         for i in range(stages):       # observe the release of the last stages: no barrier phase left pending
           @pl.when(total + i >= stages)
@@ -482,7 +484,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           plgpu.set_max_registers(consumer_registers, action="increase")
 
         def chunk_products(acc_ref, slot):
-          if ablate == "load_only":
+          if "load_only" in ablations:
             return
           zs_list = []
           for gi in range(gpc):
@@ -499,15 +501,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
                         lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
-          if ablate == "fold":
+          if "fold" in ablations:
             zs_list = []
           if on_gpu:
             words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            arrays = _decode_planes_gpu(ppw, raw=ablate == "decode")(words)
+            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations)(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
           # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
-          if fma:
+          if fma and zs_list:
             # zs_list entries are (c, s) broadcasts: A = (128 + q) s + c, one rounding
             def fma_fold(a, sb, cb):
               if on_gpu:
@@ -515,7 +517,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               return (a.astype(jnp.float32) * sb.astype(jnp.float32) + cb.astype(jnp.float32)).astype(jnp.bfloat16)
             weights = [fma_fold(a, zs_list[2 * (i * ppw // ppg) + 1], zs_list[2 * (i * ppw // ppg)])
                        for i, a in enumerate(arrays)]
-          elif ablate == "fold_fma" and on_gpu:
+          elif "fold_fma" in ablations and on_gpu:
             # zs_list entries are (128 + z, s) broadcasts: bias -(128 + z) s rounded to bf16
             weights = [_fma_gpu(ppw * PLANE)(a, zs_list[2 * (i * ppw // ppg) + 1],
                                              -(zs_list[2 * (i * ppw // ppg)] * zs_list[2 * (i * ppw // ppg) + 1]))

@@ -90,9 +90,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
 # scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3).
-# Several join with "+": "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas.
 # "fold_fma" (one fma.rn.bf16x2 per register, A = (128 + q) s + bf16(-(128 + z) s): what a one-instruction fold
-# would cost, its bias rounding left uncorrected).
+# would cost, its bias rounding left uncorrected). Several join with "+": "compute_only+fold+decode" leaves the
+# word loads, the descriptors and the wgmmas.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
 DENSE_CONFIG = dict(target_programs=1056)
 

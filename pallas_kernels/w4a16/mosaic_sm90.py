@@ -89,11 +89,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
-# scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3).
-# "fold_fma" (one fma.rn.bf16x2 per register, A = (128 + q) s + bf16(-(128 + z) s): what a one-instruction fold
-# would cost, its bias rounding left uncorrected). Several join with "+": "compute_only+fold+decode" leaves the
-# word loads, the descriptors and the wgmmas.
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "fold_fma")
+# scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3). Several join with "+":
+# "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas.
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -486,7 +484,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         def chunk_products(acc_ref, slot):
           if "load_only" in ablations:
             return
-          zs_list = []
+          biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
           for gi in range(gpc):
             if convert:
               s16, z16 = [plgpu.load(ref.at[slot, w, gi], layout=_ROW, optimized=False) if on_gpu
@@ -499,32 +497,24 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
               s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
               z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
-            zs_list += [lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]),
-                        lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0])]
-          if "fold" in ablations:
-            zs_list = []
+            biases.append(lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]))
+            scales.append(lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0]))
           if on_gpu:
             words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
             arrays = _decode_planes_gpu(ppw, raw="decode" in ablations)(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
-          # array i holds planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg
-          if fma and zs_list:
-            # zs_list entries are (c, s) broadcasts: A = (128 + q) s + c, one rounding
-            def fma_fold(a, sb, cb):
-              if on_gpu:
-                return _fma_gpu(ppw * PLANE)(a, sb, cb)
-              return (a.astype(jnp.float32) * sb.astype(jnp.float32) + cb.astype(jnp.float32)).astype(jnp.bfloat16)
-            weights = [fma_fold(a, zs_list[2 * (i * ppw // ppg) + 1], zs_list[2 * (i * ppw // ppg)])
-                       for i, a in enumerate(arrays)]
-          elif "fold_fma" in ablations and on_gpu:
-            # zs_list entries are (128 + z, s) broadcasts: bias -(128 + z) s rounded to bf16
-            weights = [_fma_gpu(ppw * PLANE)(a, zs_list[2 * (i * ppw // ppg) + 1],
-                                             -(zs_list[2 * (i * ppw // ppg)] * zs_list[2 * (i * ppw // ppg) + 1]))
-                       for i, a in enumerate(arrays)]
-          else:
-            weights = [(a - zs_list[2 * (i * ppw // ppg)]) * zs_list[2 * (i * ppw // ppg) + 1]   # (q - z) s, bf16
-                       for i, a in enumerate(arrays)] if zs_list else list(arrays)
+
+          def folded(i, a):
+            """Array i (planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg) -> (q - z) s."""
+            bias, scale = biases[i * ppw // ppg], scales[i * ppw // ppg]
+            if not fma:
+              return (a - bias) * scale                  # bf16, exact sub, one rounding
+            if on_gpu:                                   # (128 + q) s + c, one rounding
+              return _fma_gpu(ppw * PLANE)(a, scale, bias)
+            return (a.astype(jnp.float32) * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
+
+          weights = arrays if "fold" in ablations else [folded(i, a) for i, a in enumerate(arrays)]
           for i, a in enumerate(weights):
             xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:

@@ -213,6 +213,7 @@ def test_moe_interpret_block_m_8_vs_float64():
 @pytest.mark.parametrize("config", [dict(min_block_m=8), dict(min_block_m=8, num_stages=6),
                                     *(dict(ablate=a) for a in ms.ABLATIONS if a),
                                     dict(ablate="compute_only+fold+decode"),
+                                    dict(ablate="compute_only+fold+decode+words", planes_per_wgmma=2),
                                     dict(ablate="fold", convert_in_producer=True, fold="fma")])
 def test_block_m_8_and_ablations_lower_for_sm90(config):
   """The configs the GPU sweep times build for CUDA (the ablations give wrong outputs by design: timing only)."""
@@ -322,3 +323,17 @@ def test_moe_defaults_rule():
   assert ms.moe_config(64, 16) == dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2)
   assert ms.moe_config(128, 64)["planes_per_wgmma"] == 2 and ms.moe_config(32, 64)["planes_per_wgmma"] == 1
   assert set(ms.moe_config(64, 64)) <= set(ms.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize("n, k, wgs, regs", [(8, 32, 2, True), (8, 64, 3, False), (128, 128, 4, True)])
+def test_wgmma_probe_lowers_for_sm90(n, k, wgs, regs):
+  """The tensor-core timing probe (scripts/bench_wgmma.py) builds for CUDA and issues its wgmmas."""
+  from pallas_kernels.w4a16 import wgmma_probe
+  f = wgmma_probe.wgmma_steps(n=n, k_per_call=k, calls=256 // k, iters=3, warpgroups=wgs, a_in_registers=regs,
+                              num_ctas=132)
+  text = f.trace().lower(lowering_platforms=("cuda",)).as_text()
+  assert "wgmma" in text
+  assert wgmma_probe.k16_steps(n=n, k_per_call=k, calls=256 // k, iters=3, warpgroups=wgs, num_ctas=132) == \
+      132 * wgs * 3 * 16
+  with pytest.raises(ValueError, match="k_per_call"):
+    wgmma_probe.wgmma_steps(n=n, k_per_call=24, calls=1, iters=1, warpgroups=1, a_in_registers=regs, num_ctas=1)

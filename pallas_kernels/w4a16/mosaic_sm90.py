@@ -90,8 +90,10 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
 # scale / zero: A = 128 + q), "decode" (A registers are the raw words, no prmt / lop3). Several join with "+":
-# "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas.
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode")
+# "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas. "words": the A words are a
+# constant, no SMEM loads (GPU only; with "decode" too the A registers are loop-invariant, so what is left is the
+# barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -500,7 +502,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             biases.append(lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]))
             scales.append(lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0]))
           if on_gpu:
-            words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
+            if "words" in ablations:
+              words = plgpu.layout_cast(jnp.full((WORD_ROWS, SUB_N), 0x01234567, jnp.int32), WORDS_LAYOUT)
+            else:
+              words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
             arrays = _decode_planes_gpu(ppw, raw="decode" in ablations)(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)

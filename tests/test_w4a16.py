@@ -179,6 +179,34 @@ def test_routing_blocks():
   assert (w[tok < 0] == 0).all()
 
 
+@pytest.mark.parametrize("block_m", [1, 8])
+def test_routing_one_token(block_m):
+  # one token: a block per kept pair in k order; out-of-range ids dropped, a repeated expert gets two blocks
+  ids = jnp.asarray([[2, -1, 2, 7, 0]], jnp.int32)                  # E = 4: -1 and 7 dropped
+  wts = jnp.asarray([[0.5, 0.25, 0.125, 2.0, 1.5]], jnp.float32)
+  rt = routing.align(ids, wts, 4, block_m)
+  be = np.asarray(rt.block_expert)
+  assert be.shape[0] == routing.max_blocks(5, 4, block_m)
+  np.testing.assert_array_equal(be[:3], [2, 2, 0])
+  assert (be[3:] == -1).all()
+  np.testing.assert_array_equal(np.asarray(rt.pair_row), [[0, -1, block_m, -1, 2 * block_m]])
+  tok, w = np.asarray(rt.row_token), np.asarray(rt.row_weight)
+  used = {0: 0.5, block_m: 0.125, 2 * block_m: 1.5}
+  for r in range(tok.shape[0]):
+    assert (tok[r], w[r]) == ((0, used[r]) if r in used else (-1, 0.0))
+
+
+def test_moe_one_token_vs_float64():
+  rng = np.random.default_rng(11)
+  e, d, i, g = 4, 256, 128, 64
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.asarray([[1, 9, 1, 3]], np.int32)                        # a dropped id and a repeated expert
+  wts = np.asarray([[0.4, 0.3, 0.2, 0.1]], np.float32)
+  x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="triton", interpret=True)
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
 @pytest.mark.parametrize("p", [1, 7, 512, routing.PAIRWISE_RANK_MAX_PAIRS + 3])
 def test_pair_ranks_both_methods(p):
   # the pairwise count (decode sizes) and the argsort (past PAIRWISE_RANK_MAX_PAIRS) against a Python loop, with

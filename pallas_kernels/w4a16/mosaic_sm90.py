@@ -67,8 +67,7 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
 # with 528; dense 7168x18432 M = 1 / 128 44.6 / 122.8 -> 32.2 / 107.7 µs, but 150.7 at M = 128 with 264).
 # target_programs: the K splits aim at this many work units (fewer splits, less partial-sum traffic).
-# planes_per_wgmma: consecutive planes issued as one wgmma ([64, 32 P] operand; planes of different quantization
-# groups are folded apart and their registers put side by side). Mosaic
+# planes_per_wgmma: consecutive planes of one quantization group issued as one wgmma ([64, 32 P] operand). Mosaic
 # builds a shared-memory descriptor per wgmma call (~5 uniform-datapath instructions; SASS at cc56b9b: 80 of the
 # ~441 instructions a consumer thread spends per chunk are descriptor arithmetic) and only adds offsets inside a
 # call. H200, a5f4223, MoE g128 T = 1 / 16 / 64: P = 1 94.1 / 890.8 / 1,868 µs, P = 4 93.0 / 864.9 / 1,866 (NOTES v8).
@@ -252,21 +251,6 @@ def _fma_gpu(cols: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _concat_gpu(parts: int, cols: int):
-  """parts x [64, cols] bf16 WGMMA-layout arrays -> [64, parts cols]: their registers side by side (the layout
-  orders registers by 8-column tiles along axis 1; tests/test_w4a16_mosaic.py checks it)."""
-  in_type = plgpu.Layout.WGMMA
-  out_type = plgpu.ShapeDtypeStruct((SUB_N, parts * cols), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-
-  @plgpu.inline_mgpu(arg_types=(in_type,) * parts, return_type=out_type)
-  def concat(_ctx, *arrays):
-    return mgpu.FragmentedArray(_registers=np.concatenate([a.registers for a in arrays], axis=1),
-                                _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-  return concat
-
-
-@functools.lru_cache(maxsize=None)
 def _corr_operand_gpu(gpc: int):
   """ref [gpc, 64] bf16 (-e per group and weight column, SMEM) -> the correction wgmma's A operand [64, 16] bf16
   (WGMMA layout): element (n, k) = -e[k // 2, n] for k // 2 < gpc, else 0. In the WGMMA layout the thread of lane
@@ -344,9 +328,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma
-  if ppw not in (1, 2, 4, 8):
-    raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8.")
-  ppf = min(ppw, ppg)                            # planes per folded array: one quantization group's scale
+  if ppw not in (1, 2, 4, 8) or ppg % ppw:
+    raise ValueError(f"w4a16 mosaic_sm90: planes_per_wgmma {ppw} must be 1, 2, 4 or 8 and divide the {ppg} "
+                     f"planes of a {group}-row group (one scale per wgmma operand).")
   ablations = set(ablate.split("+")) if ablate else set()
   if not ablations <= set(ABLATIONS) - {None}:
     raise ValueError(f"w4a16 mosaic_sm90: ablate {ablate!r} is not one of {ABLATIONS} or a '+'-joined set of them.")
@@ -532,33 +516,28 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
               s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
               z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
-            biases.append(lax.broadcast_in_dim(z16, (SUB_N, ppf * PLANE), [0]))
-            scales.append(lax.broadcast_in_dim(s16, (SUB_N, ppf * PLANE), [0]))
+            biases.append(lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]))
+            scales.append(lax.broadcast_in_dim(s16, (SUB_N, ppw * PLANE), [0]))
           if on_gpu:
             if "words" in ablations:
               words = plgpu.layout_cast(jnp.full((WORD_ROWS, SUB_N), 0x01234567, jnp.int32), WORDS_LAYOUT)
             else:
               words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
             paired = "shr" if "paired" in ablations else "mulhi" if "paired_mulhi" in ablations else None
-            arrays = _decode_planes_gpu(ppf, raw="decode" in ablations, paired=paired)(words)
+            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations, paired=paired)(words)
           else:
-            arrays = _decode_planes_jnp(ring_w[slot, w], ppf)
+            arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
 
           def folded(i, a):
-            """Array i (planes ppf i .. ppf i + ppf - 1, all of quantization group ppf i // ppg) -> (q - z) s."""
-            bias, scale = biases[i * ppf // ppg], scales[i * ppf // ppg]
+            """Array i (planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg) -> (q - z) s."""
+            bias, scale = biases[i * ppw // ppg], scales[i * ppw // ppg]
             if not fma:
               return (a - bias) * scale                  # bf16, exact sub, one rounding
             if on_gpu:                                   # (128 + q) s + c, one rounding
-              return _fma_gpu(ppf * PLANE)(a, scale, bias)
+              return _fma_gpu(ppw * PLANE)(a, scale, bias)
             return (a.astype(jnp.float32) * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
 
           weights = arrays if "fold" in ablations else [folded(i, a) for i, a in enumerate(arrays)]
-          if ppw > ppf:          # several groups' folded planes side by side in one operand
-            per = ppw // ppf
-            parts = [weights[i:i + per] for i in range(0, len(weights), per)]
-            weights = ([_concat_gpu(per, ppf * PLANE)(*p) for p in parts] if on_gpu
-                       else [jnp.concatenate(p, axis=1) for p in parts])
           for i, a in enumerate(weights):
             xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:

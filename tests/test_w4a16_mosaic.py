@@ -337,3 +337,14 @@ def test_wgmma_probe_lowers_for_sm90(n, k, wgs, regs):
       132 * wgs * 3 * 16
   with pytest.raises(ValueError, match="k_per_call"):
     wgmma_probe.wgmma_steps(n=n, k_per_call=24, calls=1, iters=1, warpgroups=1, a_in_registers=regs, num_ctas=1)
+
+
+@pytest.mark.parametrize("decode, wgs", [("prmt", 2), ("paired", 4)])
+def test_wgmma_probe_with_decode_lowers_for_sm90(decode, wgs):
+  from pallas_kernels.w4a16 import wgmma_probe
+  f = wgmma_probe.wgmma_steps(n=8, k_per_call=64, calls=4, iters=3, warpgroups=wgs, a_in_registers=True,
+                              num_ctas=132, decode=decode)
+  assert "wgmma" in f.trace().lower(lowering_platforms=("cuda",)).as_text()
+  with pytest.raises(ValueError, match="decode"):
+    wgmma_probe.wgmma_steps(n=8, k_per_call=64, calls=2, iters=1, warpgroups=1, a_in_registers=True, num_ctas=1,
+                            decode="prmt")

@@ -26,28 +26,42 @@ B_COLS = 256                # the B tile's K extent in SMEM (one chunk, as the k
 
 @functools.lru_cache(maxsize=None)
 def wgmma_steps(*, n: int, k_per_call: int, calls: int, iters: int, warpgroups: int, a_in_registers: bool,
-                num_ctas: int):
-  """A jitted () -> [num_ctas, warpgroups, n, 64] f32 (the accumulators, so nothing is dead code)."""
+                num_ctas: int, decode: str | None = None):
+  """A jitted () -> [num_ctas, warpgroups, n, 64] f32 (the accumulators, so nothing is dead code).
+
+  decode ("prmt" / "paired"): each iteration builds A as mosaic_sm90's consumers do, from a [32, 64] word tile
+  loaded from SMEM: the register decode (mosaic_sm90's, or the "paired" ablation's sequence) and the fma fold,
+  one chunk (256 K rows) per iteration; needs a_in_registers and calls * k_per_call = 256."""
   if k_per_call % 16 or B_COLS % k_per_call or calls * k_per_call > B_COLS:
     raise ValueError(f"wgmma_steps: k_per_call {k_per_call} x calls {calls} must tile the {B_COLS}-column B tile "
                      "in multiples of 16.")
   if n % 8 or not 8 <= n <= 256:
     raise ValueError(f"wgmma_steps: n {n} must be a multiple of 8 in [8, 256].")
+  if decode and (decode not in ("prmt", "paired") or not a_in_registers or calls * k_per_call != B_COLS):
+    raise ValueError(f"wgmma_steps: decode {decode!r} needs 'prmt' or 'paired', a_in_registers and one 256-row "
+                     "chunk per iteration.")
+  ppw = k_per_call // ms.PLANE
   scratch = [plgpu.SMEM((n, B_COLS), jnp.bfloat16, transforms=ms._X_SWZ),
-             plgpu.SMEM((ROWS, B_COLS), jnp.bfloat16, transforms=ms._X_SWZ)]
+             plgpu.SMEM((ROWS, B_COLS), jnp.bfloat16, transforms=ms._X_SWZ),
+             plgpu.SMEM((ms.WORD_ROWS, ms.SUB_N), jnp.int32, transforms=ms._W_SWZ)]
 
-  def body(o_ref, b_smem, a_smem):
+  def body(o_ref, b_smem, a_smem, w_smem):
     wg = lax.axis_index("wg")
 
     def run(acc_ref):
       if a_in_registers:
         a = plgpu.layout_cast(jnp.full((ROWS, k_per_call), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
+        bias = plgpu.layout_cast(jnp.full((ROWS, k_per_call), -136.0, jnp.bfloat16), plgpu.Layout.WGMMA)
 
       def it(i, _):
+        if decode:
+          words = plgpu.load(w_smem, (), layout=ms.WORDS_LAYOUT, optimized=False)
+          arrays = ms._decode_planes_gpu(ppw, paired="shr" if decode == "paired" else None)(words)
+          operands = [ms._fma_gpu(k_per_call)(arr, a, bias) for arr in arrays]
         for c in range(calls):
           cols = pl.ds(c * k_per_call, k_per_call)
           bt = b_smem.at[:, cols].transpose((1, 0))                    # [k, n]
-          plgpu.wgmma(acc_ref, a if a_in_registers else a_smem.at[:, cols], bt)
+          plgpu.wgmma(acc_ref, operands[c] if decode else a if a_in_registers else a_smem.at[:, cols], bt)
         plgpu.wgmma_wait(calls)                                        # the previous iteration's calls are done
         return ()
 

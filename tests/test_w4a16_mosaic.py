@@ -214,6 +214,8 @@ def test_moe_interpret_block_m_8_vs_float64():
                                     *(dict(ablate=a) for a in ms.ABLATIONS if a),
                                     dict(ablate="compute_only+fold+decode"),
                                     dict(ablate="compute_only+fold+decode+words", planes_per_wgmma=2),
+                                    dict(ablate="compute_only+scales+corr+paired", convert_in_producer=True,
+                                         fold="fma", planes_per_wgmma=2),
                                     dict(ablate="fold", convert_in_producer=True, fold="fma")])
 def test_block_m_8_and_ablations_lower_for_sm90(config):
   """The configs the GPU sweep times build for CUDA (the ablations give wrong outputs by design: timing only)."""
@@ -318,9 +320,10 @@ def test_fold_fma_moe_vs_float64_and_lowering():
 
 def test_moe_defaults_rule():
   """The MoE's measured defaults: from 16 tokens on, producer conversion + fma fold (+ 2 planes per wgmma where a
-  group has two planes); below that the plain kernel."""
-  assert ms.moe_config(64, 1) == {} and ms.moe_config(128, 15) == {}
-  assert ms.moe_config(64, 16) == dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2)
+  group has two planes); below that the plain kernel. K splits aim at one unit per SM at every size."""
+  one_wave = dict(target_programs=ms.MOE_TARGET_PROGRAMS)
+  assert ms.moe_config(64, 1) == one_wave and ms.moe_config(128, 15) == one_wave
+  assert ms.moe_config(64, 16) == dict(one_wave, convert_in_producer=True, fold="fma", planes_per_wgmma=2)
   assert ms.moe_config(128, 64)["planes_per_wgmma"] == 2 and ms.moe_config(32, 64)["planes_per_wgmma"] == 1
   assert set(ms.moe_config(64, 64)) <= set(ms.DEFAULT_CONFIG)
 

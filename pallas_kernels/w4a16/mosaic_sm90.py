@@ -94,19 +94,27 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # constant, no SMEM loads (GPU only; with "decode" too the A registers are loop-invariant, so what is left is the
 # barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
 # "paired" / "paired_mulhi": the decode of a word format without prmt (a shift or multiply-high and a lop3 per
-# register; see _paired_nibble_asm), timed on this format.
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "paired_mulhi")
+# register; see _paired_nibble_asm), timed on this format. "scales": constant s and bias registers (GPU only; no
+# loads of the stage's scales), "corr": no correction wgmma of the fma fold.
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "paired_mulhi", "scales",
+             "corr")
 DENSE_CONFIG = dict(target_programs=1056)
+
+
+MOE_TARGET_PROGRAMS = 132   # one CTA per SM: K splits only where the blocks' column tiles are fewer than that
 
 
 def moe_config(group: int, tokens: int) -> dict:
   """The MoE's defaults from 16 tokens on: the producer converts scales and zeros, the fold is one fma, two planes
   per wgmma where a group has two. H200, MoE E=256 D=7168 I=2048 top-8, same process (NOTES v9): g64 T = 16 / 64
   837 / 1,822 -> 820 / 1,772 µs (9845ab5); g128 T = 64 1,748 -> 1,742 (4d55308). Not below 16 tokens (T = 1:
-  g64 +1%, g128 +3%) nor for dense linears (the extra group-sum pass: +5% at M = 1)."""
+  g64 +1%, g128 +3%) nor for dense linears (the extra group-sum pass: +5% at M = 1). At every size the K splits
+  aim at one work unit per SM, not two: at T = 1 gate+up's 256 units then run unsplit, the SiLU product stays in
+  the kernel and the partial-sum pass goes (g64 / g128 85.2 / 82.1 -> 82.0 / 79.5 µs, bb1e757, NOTES v10)."""
   if tokens < 16:
-    return {}
-  return dict(convert_in_producer=True, fold="fma", planes_per_wgmma=2 if group >= 2 * PLANE else 1)
+    return dict(target_programs=MOE_TARGET_PROGRAMS)
+  return dict(target_programs=MOE_TARGET_PROGRAMS, convert_in_producer=True, fold="fma",
+              planes_per_wgmma=2 if group >= 2 * PLANE else 1)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
 # operand W^T [64, 32] (WGMMA layout: warp n // 16, lane 4 (n % 8) + (r % 8) // 2, register (r // 8, (n % 16) // 8),
@@ -355,6 +363,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
                      f"{smem_bytes(block_m, group, stages, convert, fma)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
 
+  corr = fma and "corr" not in ablations         # the fma fold's correction wgmma
   n_loaded = (NUM_CONSUMERS + 2 + fma) if convert else 3 * NUM_CONSUMERS + 1
   scratch = dict(
       ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
@@ -505,6 +514,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             return
           biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
           for gi in range(gpc):
+            if "scales" in ablations and on_gpu:     # constant s and bias: no loads
+              biases.append(plgpu.layout_cast(jnp.full((SUB_N, ppw * PLANE), -136.0, jnp.bfloat16),
+                                              plgpu.Layout.WGMMA))
+              scales.append(plgpu.layout_cast(jnp.full((SUB_N, ppw * PLANE), 0.5, jnp.bfloat16), plgpu.Layout.WGMMA))
+              continue
             if convert:
               s16, z16 = [plgpu.load(ref.at[slot, w, gi], layout=_ROW, optimized=False) if on_gpu
                           else ref[slot, w, gi] for ref in (r["ring_sb"], r["ring_zb"])]
@@ -545,7 +559,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             else:
               r["a_smem"][w] = a
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
-          if fma:
+          if corr:
             # acc += (-e) . X: columns (group g, hi / lo) of the chunk, X's rows likewise
             xst = r["ring_xs"].at[slot].transpose((1, 0))                                       # [16, bm]
             if on_gpu:
@@ -568,7 +582,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
-                plgpu.wgmma_wait(layout.NIBBLES // ppw + fma)
+                plgpu.wgmma_wait(layout.NIBBLES // ppw + corr)
 
                 @pl.when(i > 0)
                 def _():

@@ -96,8 +96,10 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # "paired" / "paired_mulhi": the decode of a word format without prmt (a shift or multiply-high and a lop3 per
 # register; see _paired_nibble_asm), timed on this format. "scales": constant s and bias registers (GPU only; no
 # loads of the stage's scales), "corr": no correction wgmma of the fma fold.
+# "contig": each [32, 64] word tile read as one contiguous 8 KiB run (the same bytes reshaped; wrong values), the
+# DRAM pattern of a tile-major packed format.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "paired_mulhi", "scales",
-             "corr")
+             "corr", "contig")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -479,7 +481,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             sz_bar = r["sz_loaded"].at[slot] if convert else loaded.at[slot]
             for w in range(NUM_CONSUMERS):
               col = pl.ds(column(p, w), SUB_N)
-              plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
+              if "contig" in ablations:     # the tile's 8 KiB as one contiguous run of the words (wrong values)
+                tile = (column(p, w) // SUB_N) * n_chunks + c
+                src = w_ref.at[expert, pl.ds(tile * WORD_ROWS, WORD_ROWS), :]
+              else:
+                src = w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col]
+              plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w],
                                       loaded.at[slot])
               plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
               plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
@@ -732,7 +739,10 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"])
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
-  out = call(block_expert, n_used, xb, w.packed, w.scales, w.zeros, *extra)
+  packed = w.packed
+  if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows
+    packed = packed.reshape(*packed.shape[:-2], -1, SUB_N)
+  out = call(block_expert, n_used, xb, packed, w.scales, w.zeros, *extra)
   if splits > 1:
     out = out.sum(axis=0)
     if gated:

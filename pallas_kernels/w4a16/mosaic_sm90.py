@@ -93,13 +93,12 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas. "words": the A words are a
 # constant, no SMEM loads (GPU only; with "decode" too the A registers are loop-invariant, so what is left is the
 # barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
-# "paired" / "paired_mulhi": the decode of a word format without prmt (a shift or multiply-high and a lop3 per
-# register; see _paired_nibble_asm), timed on this format. "scales": constant s and bias registers (GPU only; no
+# "paired": the decode of a word format without prmt (a shift and a lop3 per register; _paired_nibble_asm), timed
+# on this format. "scales": constant s and bias registers (GPU only; no
 # loads of the stage's scales), "corr": no correction wgmma of the fma fold.
 # "contig": each [32, 64] word tile read as one contiguous 8 KiB run (the same bytes reshaped; wrong values), the
 # DRAM pattern of a tile-major packed format.
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "paired_mulhi", "scales",
-             "corr", "contig")
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "contig")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -180,24 +179,24 @@ def _nibble_asm(j: int) -> str:
           + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
 
 
-def _paired_nibble_asm(m: int, mulhi: bool) -> str:
+def _paired_nibble_asm(m: int) -> str:
   """$1 = a word whose 16-bit halves hold four nibbles each (rows r and r + 1) -> $0 = bf16x2 (128 + nibble m of
-  each half): a shift (or a multiply-high, which runs on the FMA pipe instead of the integer ALU) and one lop3."""
+  each half): a shift and one lop3. (The shift as a multiply-high, to take it off the integer pipe, was 12%
+  slower: NOTES v10.)"""
   if m == 0:
     return "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;"
-  shift = f"mul.hi.u32 t, $1, {1 << (32 - 4 * m):#x};\n" if mulhi else f"shr.u32 t, $1, {4 * m};\n"
-  return "{\n.reg .b32 t;\n" + shift + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}"
+  return "{\n.reg .b32 t;\n" f"shr.u32 t, $1, {4 * m};\n" "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}"
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: str | None = None):
+def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: bool = False):
   """The register decode for arrays of `planes_per_array` (P) consecutive planes: words [32, 64] int32
   (WORDS_LAYOUT) -> 8 / P arrays [64, 32 P] bf16 (WGMMA layout); array i = (W^T of chunk rows 32 P i..) + 128,
   built register by register with inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
   along axis 1, so an array of P planes is the planes' register arrays concatenated there
   (tests/test_w4a16_mosaic.py checks that against the layout's tiling). raw: the "decode" ablation (the words
-  bitcast, wrong values). paired ("shr" / "mulhi"): the "paired" ablations, the instruction sequence of a format
-  whose words hold the two K rows of a register in their halves (no prmt), run on this format (wrong values)."""
+  bitcast, wrong values). paired: the "paired" ablation, the instruction sequence of a format whose words hold the
+  two K rows of a register in their halves (no prmt), run on this format (wrong values)."""
   p_arr = planes_per_array
   out_type = plgpu.ShapeDtypeStruct((SUB_N, PLANE * p_arr), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
@@ -219,7 +218,7 @@ def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: str
         if raw:
           packed = (lo, hi)[j % 2]
         elif paired:
-          packed = llvm.inline_asm(i32, [(lo, hi)[j // 4]], _paired_nibble_asm(j % 4, paired == "mulhi"), "=r,r")
+          packed = llvm.inline_asm(i32, [(lo, hi)[j // 4]], _paired_nibble_asm(j % 4), "=r,r")
         else:
           packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
         planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
@@ -486,8 +485,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 src = w_ref.at[expert, pl.ds(tile * WORD_ROWS, WORD_ROWS), :]
               else:
                 src = w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col]
-              plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w],
-                                      loaded.at[slot])
+              plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w], loaded.at[slot])
               plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
               plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
             plgpu.copy_gmem_to_smem(
@@ -544,8 +542,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               words = plgpu.layout_cast(jnp.full((WORD_ROWS, SUB_N), 0x01234567, jnp.int32), WORDS_LAYOUT)
             else:
               words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            paired = "shr" if "paired" in ablations else "mulhi" if "paired_mulhi" in ablations else None
-            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations, paired=paired)(words)
+            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations, paired="paired" in ablations)(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
 

@@ -56,7 +56,7 @@ def wgmma_steps(*, n: int, k_per_call: int, calls: int, iters: int, warpgroups: 
       def it(i, _):
         if decode:
           words = plgpu.load(w_smem, (), layout=ms.WORDS_LAYOUT, optimized=False)
-          arrays = ms._decode_planes_gpu(ppw, paired="shr" if decode == "paired" else None)(words)
+          arrays = ms._decode_planes_gpu(ppw, paired=decode == "paired")(words)
           operands = [ms._fma_gpu(k_per_call)(arr, a, bias) for arr in arrays]
         for c in range(calls):
           cols = pl.ds(c * k_per_call, k_per_call)

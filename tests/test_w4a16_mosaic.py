@@ -143,6 +143,21 @@ def test_moe_interpret_vs_float64_with_edge_cases():
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
 
 
+def test_moe_interpret_one_token_vs_float64():
+  """T = 1 takes the one-token routing (a block per kept pair) and unsplit K: a repeated expert, a dropped id and
+  NaN-poisoned unused experts."""
+  rng = np.random.default_rng(23)
+  e, d, i, g = 6, 256, 128, 64
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.asarray([[2, 0, 9, 2]], np.int32)                           # experts 3..5 unused, 9 dropped
+  wts = np.asarray([[0.5, 0.25, 0.75, 0.125]], np.float32)
+  x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), poison_from(w13, 3), poison_from(w2, 3),
+                    backend="mosaic_sm90", interpret=True)
+  assert y.shape == (1, d)
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+
+
 def test_backend_rules_for_mosaic():
   with pytest.raises(ValueError, match="bfloat16 activations"):
     api.resolve_backend("mosaic_sm90", jnp.float32, interpret=True)

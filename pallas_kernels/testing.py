@@ -8,6 +8,7 @@ imports this module.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 
 import jax
@@ -141,3 +142,15 @@ def copy_ceiling_gbps(nbytes=2 << 30) -> float:
   xs = [jnp.full((nbytes // 4,), i, jnp.int32) for i in range(2)]
   f = jax.jit(lambda x: x + 1)
   return 2 * nbytes / time_calls(f, [(x,) for x in xs], min_batch_s=0.2) / 1e9
+
+
+def commit_id(given: str | None = None) -> str:
+  """The commit a benchmark records: `given` (--commit), else the checkout's short HEAD, else "unknown" (the
+  device machine's copy of the tree has no .git)."""
+  if given:
+    return given
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                   stderr=subprocess.DEVNULL).strip()
+  except Exception:  # noqa: BLE001 - no git, or not a checkout
+    return "unknown"

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.testing import copy_ceiling_gbps, device_time, time_calls
+from pallas_kernels.testing import commit_id, copy_ceiling_gbps, device_time, time_calls
 from pallas_kernels.w4a16 import api, layout, routing
 
 
@@ -183,12 +182,7 @@ def main(argv=None):
   unknown = [b for b in backends if b not in api.KERNEL_BACKENDS]
   if unknown:
     raise SystemExit(f"--backends: unknown {unknown}; choose from {sorted(api.KERNEL_BACKENDS)}")
-  commit = args.commit
-  if commit is None:
-    try:
-      commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - no git on the device machine: pass --commit
-      commit = "unknown"
+  commit = commit_id(args.commit)
   dev = jax.devices()[0]
   result = dict(device=dev.device_kind, jax=jax.__version__, commit=commit, rows=[])
   rows = result["rows"]

@@ -2,7 +2,8 @@
 
   python scripts/bench_wgmma.py --out bench/results/wgmma_steps_h200.json [--commit SHA]
 
-For each variant (N, k per call, warpgroups per CTA, A from registers or SMEM): device microseconds, nanoseconds
+For each variant (N, k per call, warpgroups per CTA, A from registers or SMEM, or rebuilt per chunk by the
+consumers' decode and fold): device microseconds, nanoseconds
 per m64nNk16 step per SM, and the int4 weight stream that rate would carry if each step consumed 1,024 weights
 (0.5 byte each, as mosaic_sm90 does): the tensor-core ceiling to set against the copy ceiling. Prints a table
 last and writes JSON (device, jax version, commit).
@@ -12,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 
 import jax
 
-from pallas_kernels.testing import copy_ceiling_gbps, device_time
+from pallas_kernels.testing import commit_id, copy_ceiling_gbps, device_time
 from pallas_kernels.w4a16 import wgmma_probe
 
 # name -> probe arguments; the kernel's decode-size shape is N = 8, k = 32 (or 64) per call, 2 warpgroups, A regs
@@ -47,12 +47,7 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=2000, help="loop iterations per warpgroup")
   ap.add_argument("--variants", default=None, help="comma-separated names (default: all)")
   args = ap.parse_args(argv)
-  commit = args.commit
-  if commit is None:
-    try:
-      commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - no git on the device machine: pass --commit
-      commit = "unknown"
+  commit = commit_id(args.commit)
   dev = jax.devices()[0]
   sms = getattr(dev, "core_count", None) or 132
   ceiling = copy_ceiling_gbps()
@@ -60,7 +55,7 @@ def main(argv=None):
   names = args.variants.split(",") if args.variants else list(VARIANTS)
   for name in names:
     v = dict(VARIANTS[name], iters=args.iters, num_ctas=sms)
-    calls = 256 // v["k_per_call"]             # one 256-row chunk per iteration, as the kernel
+    calls = wgmma_probe.B_COLS // v["k_per_call"]     # one 256-row chunk per iteration, as the kernel
     row = dict(name=name, **v, calls=calls)
     try:
       t = device_time(wgmma_probe.wgmma_steps(calls=calls, **v))

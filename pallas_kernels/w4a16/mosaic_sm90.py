@@ -94,8 +94,8 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # constant, no SMEM loads (GPU only; with "decode" too the A registers are loop-invariant, so what is left is the
 # barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
 # "paired": the decode of a word format without prmt (a shift and a lop3 per register; _paired_nibble_asm), timed
-# on this format. "scales": constant s and bias registers (GPU only; no
-# loads of the stage's scales), "corr": no correction wgmma of the fma fold.
+# on this format. "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
+# correction wgmma of the fma fold.
 # "contig": each [32, 64] word tile read as one contiguous 8 KiB run (the same bytes reshaped; wrong values), the
 # DRAM pattern of a tile-major packed format.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "contig")

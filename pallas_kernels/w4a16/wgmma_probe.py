@@ -1,11 +1,12 @@
-"""A timing probe for the tensor core side of the Hopper kernel: wgmma steps alone, no loads, no decode.
+"""A timing probe for the Hopper kernel's consumers: wgmma steps alone, or with the register decode in front.
 
 mosaic_sm90's consumers issue one m64nNk16 step per 1,024 weights (N = the row block, 8 at decode sizes) with the
 decoded weights as a register A operand. Whether those steps, not the ALU work around them, bound the kernel
 depends on the tensor core's time per step at small N, which no public table gives for Hopper. This kernel
 measures it: every CTA's `warpgroups` warpgroups each issue `iters` x `calls` wgmma calls of [64, k] x [k, n]
 (A from constant registers or from SMEM, B from uninitialized SMEM: values do not change the timing), keeping one
-iteration's calls in flight as the kernel's `overlap` does. scripts/bench_wgmma.py times it. GPU only (a
+iteration's calls in flight as the kernel's `overlap` does; with `decode`, A is rebuilt every iteration from SMEM
+words as the consumers build it. scripts/bench_wgmma.py times it. GPU only (a
 register A operand has no interpret mode); tests lower it for CUDA.
 """
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import json
 import os
 import site
 
@@ -41,13 +42,15 @@ def main():
   ap.add_argument("--moe-ts", default="1,64", help="MoE token counts")
   ap.add_argument("--dense-ms", default="16", help="dense (18432 -> 7168) row counts")
   ap.add_argument("--group", type=int, default=64)
+  ap.add_argument("--config", default="{}", help="kernel config (JSON), e.g. '{\"ablate\": \"load_only\"}'")
   args = ap.parse_args()
+  config = json.loads(args.config)
   g = args.group
   w = random_weight(jax.random.key(0), (), 18432, 7168, g)
   w13 = random_weight(jax.random.key(2), (256,), 7168, 2048, g, gate_up=True)
   w2 = random_weight(jax.random.key(3), (256,), 2048, 7168, g)
-  dense = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=args.backend))
-  moe = jax.jit(lambda *a: api.w4a16_moe(*a, backend=args.backend))
+  dense = jax.jit(lambda x, w: api.w4a16_matmul(x, w, backend=args.backend, config=config))
+  moe = jax.jit(lambda *a: api.w4a16_moe(*a, backend=args.backend, config=config))
   calls = []
   for m in (int(s) for s in args.dense_ms.split(",") if s):
     calls.append((dense, (jax.random.normal(jax.random.key(1), (m, 18432), jnp.bfloat16), w)))

@@ -158,6 +158,43 @@ def test_moe_interpret_one_token_vs_float64():
   assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
 
 
+def test_balanced_k_splits():
+  """The busiest CTA's chunks plus the partials' cost, minimised; fewer splits on ties."""
+  # the DeepSeek-V3 down projection at T = 1: 8 x 56 units of 8 chunks on 132 CTAs -> 2 splits of 4 (28 < 32)
+  assert routing.balanced_k_splits(8, 8 * 56, 132, 0.85) == 2
+  # thousands of units (T = 64): the grid is balanced already and partials are expensive
+  assert routing.balanced_k_splits(8, 229 * 56, 132, 30.0) == 1
+  # units that fill the CTAs exactly never split; free partials take the best balance with the fewest splits
+  assert routing.balanced_k_splits(28, 264, 132, 0.0) == 1
+  assert routing.balanced_k_splits(28, 144, 132, 0.0) == 28     # 4,032 chunks: 31 per CTA at one chunk per unit
+  assert routing.balanced_k_splits(1, 5, 132, 0.0) == 1
+
+
+def test_moe_interpret_one_token_split_down_vs_float64():
+  """One token on 3 experts, 4 CTAs: the down projection's 3 x 2 units of 4 chunks balance as 2 K splits, whose
+  float32 partials the combine sums in its gather; NaN-poisoned unused experts."""
+  rng = np.random.default_rng(29)
+  e, d, i, g = 6, 256, 512, 64
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.asarray([[2, 0, 1]], np.int32)                              # experts 3..5 unused
+  wts = np.asarray([[0.5, 0.25, 0.75]], np.float32)
+  x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+  rt = routing.align(jnp.asarray(ids), jnp.asarray(wts), e, 8)
+  w13, w2 = poison_from(w13, 3), poison_from(w2, 3)
+  h = ms.grouped_matmul(x, w13, rt.block_expert, rt.row_token, rt.row_weight, block_m=8, gated=True,
+                        weighted=False, out_dtype=jnp.bfloat16, busy_blocks=3, interpret=True)
+  parts = ms.grouped_matmul(h, w2, rt.block_expert, routing.in_place_rows(rt), rt.row_weight, block_m=8,
+                            gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=3, interpret=True,
+                            x_in_block_order=True, keep_splits=True)
+  assert parts.shape == (2, rt.num_blocks * 8, d)                      # the balanced split was taken
+  y = api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend="mosaic_sm90", interpret=True)
+  assert y.shape == (1, d)
+  assert max_rel(y, moe_ref64(x, ids, wts, gate, up, down, g)) < 1.5e-2
+  with pytest.raises(ValueError, match="keep_splits"):
+    ms.grouped_matmul(x, w13, rt.block_expert, rt.row_token, rt.row_weight, block_m=8, gated=True, weighted=False,
+                      out_dtype=jnp.bfloat16, busy_blocks=3, interpret=True, keep_splits=True)
+
+
 def test_backend_rules_for_mosaic():
   with pytest.raises(ValueError, match="bfloat16 activations"):
     api.resolve_backend("mosaic_sm90", jnp.float32, interpret=True)

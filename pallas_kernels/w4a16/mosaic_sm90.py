@@ -686,12 +686,14 @@ def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
 def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
                    row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
                    busy_blocks: int, interpret: bool = False, config: dict | None = None,
-                   x_in_block_order: bool = False) -> jax.Array:
+                   x_in_block_order: bool = False, keep_splits: bool = False) -> jax.Array:
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
   rows of unused blocks are garbage, padding rows of used blocks finite. x rows are gathered (and K-padded) by XLA
   into block order first, unless x_in_block_order: x is already [NB*block_m, >= K] in block order with finite
   rows in every used block (the first grouped matmul's output), and the kernel reads it where it is. `weighted`
-  multiplies the rows by row_weight after the kernel."""
+  multiplies the rows by row_weight after the kernel. keep_splits (not gated, not weighted): the K splits are
+  chosen to balance the persistent grid (routing.balanced_k_splits) and, where there are several, returned as
+  float32 partials [S, NB*block_m, N_pad] for the caller to sum (routing.combine does it in its gather)."""
   cfg = dict(DEFAULT_CONFIG, **(config or {}))
   unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
   if unknown:
@@ -706,15 +708,26 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
     tiles = (w.n_pad // 2) // SUB_N
   else:
     tiles = -(-w.n_pad // (NUM_CONSUMERS * SUB_N))
-  splits = cfg.get("splits") or routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
+  if keep_splits and (gated or weighted):
+    raise ValueError("grouped_matmul: keep_splits returns unweighted partial sums of a plain (not gated) matmul.")
+  num_ctas = 0
+  if cfg["persistent"]:
+    num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
+  if cfg.get("splits"):
+    splits = cfg["splits"]
+  elif keep_splits and num_ctas:
+    # a split's partials cost a write of every row and a read in the caller's gather: in chunk-equivalents of one
+    # CTA's time, rows x N_pad x 4 bytes against one chunk's weights on every CTA
+    chunk_bytes = layout.CHUNK_K * SUB_N * NUM_CONSUMERS // 2
+    partial = block_expert.shape[0] * block_m * w.n_pad * 4 / (chunk_bytes * num_ctas)
+    splits = routing.balanced_k_splits(n_chunks, busy_blocks * tiles, num_ctas, partial)
+  else:
+    splits = routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   fma = cfg["fold"] == "fma"
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]),
                                                fma=fma)
-  num_ctas = 0
-  if cfg["persistent"]:
-    num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
@@ -740,6 +753,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows
     packed = packed.reshape(*packed.shape[:-2], -1, SUB_N)
   out = call(block_expert, n_used, xb, packed, w.scales, w.zeros, *extra)
+  if splits > 1 and keep_splits:
+    return out
   if splits > 1:
     out = out.sum(axis=0)
     if gated:
@@ -768,8 +783,10 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
                      config={**moe_config(w13.group_size, x.shape[0]), **(config or {})})
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
+  # its K splits balance the grid (T = 1: 8 blocks x 56 tiles of 8 chunks run as 2 x 4 chunks) and are summed
+  # in the combine's gather
   y = grouped_matmul(h, w2, routing_.block_expert, routing.in_place_rows(routing_), routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
                      interpret=interpret, config={**moe_config(w2.group_size, x.shape[0]), **(config or {})},
-                     x_in_block_order=True)
-  return routing.combine(y[:, :w2.n], routing_, apply_weights=True)
+                     x_in_block_order=True, keep_splits=True)
+  return routing.combine(y[..., :w2.n], routing_, apply_weights=True)

@@ -146,6 +146,20 @@ def k_splits(n_chunks: int, programs: int, target: int) -> int:
   return -(-n_chunks // -(-n_chunks // s))
 
 
+def balanced_k_splits(n_chunks: int, units: int, ctas: int, partial_chunks: float) -> int:
+  """K splits for a persistent grid of `ctas` CTAs that walk `units` (block, column tile) units round-robin: the
+  split count that minimises the busiest CTA's work, ceil(units s / ctas) chunks-per-split chunks, plus
+  partial_chunks per split past the first (the float32 partial sums written and read back, in chunk-equivalents
+  of one CTA's time). Fewer splits on ties. E.g. the MoE down projection at T = 1 (8 blocks x 56 column tiles of
+  8 chunks on 132 CTAs): unsplit the busiest CTA runs 4 units = 32 chunks against a mean of 27.2; two splits of 4
+  chunks give 7 x 4 = 28."""
+  def cost(s):
+    cps = -(-n_chunks // s)
+    s = -(-n_chunks // cps)
+    return -(-units * s // ctas) * cps + partial_chunks * (s - 1), s
+  return min((cost(s) for s in range(1, n_chunks + 1)), key=lambda c: c[0])[1]
+
+
 def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config: dict, interpret: bool,
                  out_dtype, min_block_m: int = 16) -> jax.Array:
   """x [M, K] @ W [K, N] through a grouped kernel (triton.grouped_matmul or mosaic_sm90.grouped_matmul): W as a
@@ -159,11 +173,16 @@ def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config:
 
 
 def combine(rows: jax.Array, routing: Routing, *, apply_weights: bool = False) -> jax.Array:
-  """rows [NB*block_m, D] -> [T, D]: the sum over each token's k pairs, in float32. apply_weights: multiply each
-  row by its router weight here (for kernels that did not weight their rows)."""
+  """rows [NB*block_m, D] (or K-split partials [S, NB*block_m, D], summed here: one fusion with the gather
+  instead of a pass over every row) -> [T, D]: the sum over each token's k pairs, in float32. apply_weights:
+  multiply each row by its router weight here (for kernels that did not weight their rows)."""
   pr = routing.pair_row                                        # [T, K]
-  got = jnp.take(rows, jnp.maximum(pr, 0).reshape(-1), axis=0).reshape(*pr.shape, rows.shape[-1])
-  got = got.astype(jnp.float32)
+  idx = jnp.maximum(pr, 0).reshape(-1)
+  if rows.ndim == 3:
+    got = jnp.take(rows, idx, axis=1).astype(jnp.float32).sum(axis=0)
+  else:
+    got = jnp.take(rows, idx, axis=0).astype(jnp.float32)
+  got = got.reshape(*pr.shape, rows.shape[-1])
   if apply_weights:
     # row_weight gathered back, not the caller's topk_weights: XLA fuses a model router's weight arithmetic into
     # this [T, K, D] fusion and recomputes it per element (V3 slice, T = 64, H200: the combine 8 -> 143 µs);

@@ -70,7 +70,7 @@ class Sampler:
       for bit, name in REASONS.items():
         if r[4] & bit:
           reasons[name] = reasons.get(name, 0) + 1
-    return dict(samples=len(rows), sm_mhz=statistics.median(r[0] for r in rows),
+    return dict(samples=len(rows), series=[r[:3] for r in rows], sm_mhz=statistics.median(r[0] for r in rows),
                 sm_mhz_min=min(r[0] for r in rows), mem_mhz=statistics.median(r[1] for r in rows),
                 power_w=statistics.median(r[2] for r in rows), power_w_max=max(r[2] for r in rows),
                 temp_c=max(r[3] for r in rows),
@@ -78,8 +78,8 @@ class Sampler:
 
 
 def run_for(fn, args_list, seconds: float) -> float:
-  """Calls fn back to back (cycling through args_list) for about `seconds`; seconds per call."""
-  jax.block_until_ready(fn(*args_list[0]))
+  """Calls fn back to back (cycling through args_list) for about `seconds`; seconds per call. Compile and warm
+  up (fn once per argument set) before this, outside the sampled window."""
   calls, t0 = 0, time.perf_counter()
   while time.perf_counter() - t0 < seconds:
     out = None
@@ -88,6 +88,11 @@ def run_for(fn, args_list, seconds: float) -> float:
     calls += 10
     jax.block_until_ready(out)
   return (time.perf_counter() - t0) / calls
+
+
+def warm_up(fn, args_list):
+  for a in args_list:
+    jax.block_until_ready(fn(*a))
 
 
 def main(argv=None):
@@ -112,6 +117,7 @@ def main(argv=None):
   refs = [("copy 2 GiB (x + 1)", jax.jit(lambda x: x + 1), 2 * nbytes),
           ("read 2 GiB (max)", jax.jit(lambda x: jnp.max(x)), nbytes)]
   for name, fn, moved in refs:
+    warm_up(fn, [(b,) for b in bufs])
     with Sampler() as s:
       per_call = run_for(fn, [(b,) for b in bufs], args.seconds)
     result["rows"].append(dict(what=name, us=per_call * 1e6, gbps=moved / per_call / 1e9, **s.summary()))
@@ -127,6 +133,7 @@ def main(argv=None):
   for cfg in json.loads(args.configs):
     fn = jax.jit(lambda x, ids, wts, a, b, cfg=cfg: api.w4a16_moe(x, ids, wts, a, b, backend=args.backend,
                                                                   config=cfg))
+    warm_up(fn, sets)
     with Sampler() as s:
       per_call = run_for(fn, sets, args.seconds)
     result["rows"].append(dict(what=f"moe T{args.t} g{args.group} {json.dumps(cfg)}", config=cfg,

@@ -97,8 +97,11 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # on this format. "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
 # correction wgmma of the fma fold.
 # "contig": each [32, 64] word tile read as one contiguous 8 KiB run (the same bytes reshaped; wrong values), the
-# DRAM pattern of a tile-major packed format.
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "contig")
+# DRAM pattern of a tile-major packed format. "nox": no copies of the x tile (and of the correction's X) per chunk,
+# the consumers multiply whatever the ring holds; "nosz": no copies of the scales and zeros per chunk (what
+# streaming only the weights, or x once per block, would save: under the H200's power cap, NOTES v11).
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "contig",
+             "nox", "nosz")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -478,6 +481,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
             sz_bar = r["sz_loaded"].at[slot] if convert else loaded.at[slot]
+            if "nosz" in ablations:     # the arrivals the scale and zero copies would make, no bytes
+              for _ in range(2 * NUM_CONSUMERS):
+                plgpu.barrier_arrive(sz_bar)
+            if "nox" in ablations:
+              for _ in range(1 + fma):
+                plgpu.barrier_arrive(loaded.at[slot])
             for w in range(NUM_CONSUMERS):
               col = pl.ds(column(p, w), SUB_N)
               if "contig" in ablations:     # the tile's 8 KiB as one contiguous run of the words (wrong values)
@@ -486,12 +495,14 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               else:
                 src = w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col]
               plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w], loaded.at[slot])
-              plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
-              plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
-            plgpu.copy_gmem_to_smem(
-                x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
-                ring_x.at[slot], loaded.at[slot])
-            if fma:
+              if "nosz" not in ablations:
+                plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
+                plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
+            if "nox" not in ablations:
+              plgpu.copy_gmem_to_smem(
+                  x_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * layout.CHUNK_K, layout.CHUNK_K)],
+                  ring_x.at[slot], loaded.at[slot])
+            if fma and "nox" not in ablations:
               plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * CORR_K, CORR_K)],
                                       r["ring_xs"].at[slot], loaded.at[slot])
             if convert:

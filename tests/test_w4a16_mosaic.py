@@ -333,6 +333,42 @@ def test_convert_in_producer_moe_and_lowering():
               config=dict(convert_in_producer=True, num_stages=2), interpret=True)
 
 
+@pytest.mark.parametrize("g,m,persistent,splits,extra",
+                         [(64, 7, True, 2, {}),                                   # 2 x 2 chunks, 3 CTAs, 2 slots
+                          (128, 16, False, 1, {}),                                 # one unit per CTA
+                          (64, 9, True, 4, dict(convert_in_producer=True)),        # the producer converts
+                          (128, 16, True, 2, dict(convert_in_producer=True, fold="fma"))])
+def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra):
+  """unit_scales: each unit's scales and zeros in one copy per array and consumer, in one of two slots that the
+  ring runs across (units walked 3 per CTA, K splits). The same values reach the fold, so the same output bits."""
+  rng = np.random.default_rng(500 + g + m)
+  q, z, s = rand_awq(rng, 1024, 320, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+  base = dict(persistent=persistent, splits=splits, num_ctas=3, **extra)
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
+  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=True))
+  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+
+
+@pytest.mark.parametrize("cfg", [dict(unit_scales=True), dict(unit_scales=True, convert_in_producer=True, fold="fma")])
+def test_unit_scales_moe_and_lowering(cfg):
+  err, w13 = small_moe_vs_float64(51, cfg)
+  assert err < 1.5e-2
+  xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  for c in (cfg, dict(cfg, ablate="compute_only"), dict(cfg, ablate="load_only"), dict(cfg, splits=2)):
+    text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(c, num_ctas=132)), xs, first_expert(w13))
+    assert "mosaic_gpu" in text
+
+
+def test_unit_scales_need_equal_units():
+  with pytest.raises(ValueError, match="unit_scales"):
+    ms._kernel_call(num_blocks=1, block_m=8, tiles=1, splits=2, chunks_per_split=2, n_chunks=3, group=64, n_pad=128,
+                    gated=False, up_offset=64, out_dtype=jnp.bfloat16, num_stages=4, consumer_registers=232,
+                    producer_registers=40, overlap=True, num_ctas=2, interpret=True, unit_scales=True)
+
+
 def test_correction_operand_layout_formula():
   """_corr_operand_gpu's thread arithmetic: in the WGMMA layout of a [64, 16] bf16 array, lane l of warp v holds,
   at register index idx and vector element e, element (16 v + l // 4 + 8 idx[4], 2 (l % 4) + e + 8 idx[1])."""

@@ -59,7 +59,8 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None)
+                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
+                      unit_scales=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -86,6 +87,10 @@ FOLDS = ("sub_mul", "fma")
 CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs of one chunk, zero-padded
 # min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
+# unit_scales: each work unit's scales and zeros arrive in one copy per array and consumer (its [chunks x groups,
+# 64] tiles) into one of two unit slots, instead of four small copies per 256-row chunk; where the units have
+# equal lengths and both slots fit in SMEM beside the ring, else per chunk as before. Under the H200's power cap
+# (NOTES v11) leaving the per-chunk scale and zero copies out made the MoE 7% faster at T = 64.
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -315,11 +320,15 @@ def _store_transposed_gpu(acc, out_ref):
   store(acc, out_ref)
 
 
-def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False) -> int:
+def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False,
+               unit_groups: int = 0) -> int:
+  """unit_groups: the groups of a work unit whose scales and zeros are held per unit (two units' worth, see
+  unit_scales) instead of per stage."""
   per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
-               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (3 + 4 * convert + 2 * fma)
+               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (3 * (not unit_groups) + 4 * convert + 2 * fma)
                + block_m * (layout.CHUNK_K + CORR_K * fma) * 2)
-  return stages * per_stage + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
+  per_unit = 2 * NUM_CONSUMERS * unit_groups * SUB_N * 3
+  return stages * per_stage + per_unit + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
 
 
 def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False, fma: bool = False) -> int:
@@ -335,7 +344,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
-                 fold: str = "sub_mul"):
+                 fold: str = "sub_mul", unit_scales: bool = False):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
@@ -363,16 +372,25 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if convert and stages < 3:
     raise ValueError(f"w4a16 mosaic_sm90: convert_in_producer converts chunk i - 1 after issuing chunk i's copies, "
                      f"so it needs num_stages >= 3, got {stages}.")
-  if smem_bytes(block_m, group, stages, convert, fma) > SMEM_LIMIT:
+  unit_sz = unit_scales and "nosz" not in ablations
+  if unit_sz and n_chunks % chunks_per_split:
+    raise ValueError(f"w4a16 mosaic_sm90: unit_scales needs units of equal length; {chunks_per_split} chunks per "
+                     f"split do not divide {n_chunks}.")
+  ug = chunks_per_split * gpc if unit_sz else 0   # groups per unit whose scales and zeros one copy brings
+  if smem_bytes(block_m, group, stages, convert, fma, ug) > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need "
-                     f"{smem_bytes(block_m, group, stages, convert, fma)} bytes of SMEM (limit {SMEM_LIMIT}); lower num_stages.")
+                     f"{smem_bytes(block_m, group, stages, convert, fma, ug)} bytes of SMEM (limit {SMEM_LIMIT}); "
+                     f"lower num_stages.")
 
   corr = fma and "corr" not in ablations         # the fma fold's correction wgmma
-  n_loaded = (NUM_CONSUMERS + 2 + fma) if convert else 3 * NUM_CONSUMERS + 1
+  # the arrivals that complete a stage: one per copy (words per consumer, x, X of the fma's correction; scales
+  # and zeros per consumer unless they come per unit), or the converter's one in place of the scales and zeros
+  n_loaded = NUM_CONSUMERS + 1 + (1 if convert else 0 if unit_sz else 2 * NUM_CONSUMERS) + fma
+  sz_shape = (2, NUM_CONSUMERS, ug, SUB_N) if unit_sz else (stages, NUM_CONSUMERS, gpc, SUB_N)
   scratch = dict(
       ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
-      ring_s=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.float16),
-      ring_z=plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.uint8),
+      ring_s=plgpu.SMEM(sz_shape, jnp.float16),       # per stage, or per unit (two units) with unit_scales
+      ring_z=plgpu.SMEM(sz_shape, jnp.uint8),
       ring_x=plgpu.SMEM((stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
       xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
       # the copies of a stage (weights, x; scales and zeros too unless the producer converts them, then its one
@@ -384,7 +402,14 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   if convert:
     scratch["ring_sb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
     scratch["ring_zb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
-    scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=stages)
+    if not unit_sz:
+      scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=stages)
+  if unit_sz:
+    # a unit's scales and zeros (2 copies per consumer) in one of two slots; released by the consumers at the
+    # unit's end, or (convert) by the producer itself once it converted the unit's last chunk
+    scratch["unit_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=2)
+    if not convert:
+      scratch["unit_free"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2)
   if fma:
     scratch["ring_eb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)       # -e per group, column
     scratch["ring_xs"] = plgpu.SMEM((stages, block_m, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
@@ -424,14 +449,16 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       my_units = jnp.maximum(n_used_ref[0] * units_per_block - cta + num_ctas - 1, 0) // num_ctas
 
       def for_each_unit(fn):
-        return lax.fori_loop(0, my_units, lambda i, first: first + fn(unit(cta + i * num_ctas), first),
-                             jnp.int32(0))
+        """fn(unit info, chunks before it, its ordinal) -> its chunks; returns (chunks, units)."""
+        total = lax.fori_loop(0, my_units, lambda i, first: first + fn(unit(cta + i * num_ctas), first, i),
+                              jnp.int32(0))
+        return total, my_units
       active = True
     else:
       this_unit = unit((lax.axis_index("b") * tiles + lax.axis_index("p")) * splits + lax.axis_index("s"))
 
       def for_each_unit(fn):
-        return fn(this_unit, jnp.int32(0))
+        return fn(this_unit, jnp.int32(0), jnp.int32(0)), jnp.int32(1)
       active = this_unit[3] >= 0                        # expert -1: a block not in use
 
     def column(p, w: int):
@@ -447,13 +474,20 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def convert_stage(g):
-          """Stage of chunk g: bfloat16 s and 128 + z for the consumers (exact: 128..143), then its arrival."""
+        def convert_stage(g, uslot, idx):
+          """Stage of chunk g (chunk idx of the unit in unit slot uslot, with unit_scales): bfloat16 s and 128 + z
+          for the consumers (exact: 128..143), then its arrival."""
           slot = lax.rem(g, stages)
-          plgpu.barrier_wait(r["sz_loaded"].at[slot])
-          s16 = ring_s[slot].astype(jnp.float32).astype(jnp.bfloat16)
+          if unit_sz:
+            pl.when(idx == 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
+            s_raw = ring_s[uslot, :, pl.ds(idx * gpc, gpc)]
+            z_raw = ring_z[uslot, :, pl.ds(idx * gpc, gpc)]
+          else:
+            plgpu.barrier_wait(r["sz_loaded"].at[slot])
+            s_raw, z_raw = ring_s[slot], ring_z[slot]
+          s16 = s_raw.astype(jnp.float32).astype(jnp.bfloat16)
           r["ring_sb"][slot] = s16
-          zb = ring_z[slot].astype(jnp.float32) + 128.0                      # exact: 128..143
+          zb = z_raw.astype(jnp.float32) + 128.0                             # exact: 128..143
           if fma:
             prod = zb * s16.astype(jnp.float32)             # (128 + z) s, exact in f32 (16 significant bits)
             c16 = (-prod).astype(jnp.bfloat16)
@@ -464,8 +498,27 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           plgpu.commit_smem()               # this warpgroup's stores, before its one arrival
           plgpu.barrier_arrive(loaded.at[slot])
 
-        def produce(info, first):
+        def unit_copies(info, ordinal):
+          """A unit's scales and zeros, all its groups in one copy per array and consumer (unit_scales)."""
+          _, p, _, expert, c_lo, _ = info
+          uslot = lax.rem(ordinal, 2)
+          if not convert:
+            pl.when(ordinal >= 2)(lambda: plgpu.barrier_wait(r["unit_free"].at[uslot]))
+          if "compute_only" in ablations:     # the arrivals the copies would make (a converter waits for none)
+            if not convert:
+              for _ in range(2 * NUM_CONSUMERS):
+                plgpu.barrier_arrive(r["unit_loaded"].at[uslot])
+            return
+          for w in range(NUM_CONSUMERS):
+            col = pl.ds(column(p, w), SUB_N)
+            for src, dst in ((s_ref, ring_s), (z_ref, ring_z)):
+              plgpu.copy_gmem_to_smem(src.at[expert, pl.ds(c_lo * gpc, ug), col], dst.at[uslot, w],
+                                      r["unit_loaded"].at[uslot])
+
+        def produce(info, first, ordinal):
           b, p, _, expert, c_lo, n_steps = info
+          if unit_sz:
+            pl.when(n_steps > 0)(lambda: unit_copies(info, ordinal))
 
           def step(i, _):
             g = first + i                             # chunks this CTA has streamed: the ring position
@@ -480,7 +533,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               for _ in range(n_loaded):
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
-            sz_bar = r["sz_loaded"].at[slot] if convert else loaded.at[slot]
+            sz_bar = r["sz_loaded"].at[slot] if convert and not unit_sz else loaded.at[slot]
             if "nosz" in ablations:     # the arrivals the scale and zero copies would make, no bytes
               for _ in range(2 * NUM_CONSUMERS):
                 plgpu.barrier_arrive(sz_bar)
@@ -495,7 +548,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               else:
                 src = w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col]
               plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w], loaded.at[slot])
-              if "nosz" not in ablations:
+              if not unit_sz and "nosz" not in ablations:
                 plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
                 plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
             if "nox" not in ablations:
@@ -506,26 +559,34 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * CORR_K, CORR_K)],
                                       r["ring_xs"].at[slot], loaded.at[slot])
             if convert:
-              # chunk g - 1's scales and zeros have had one chunk's copies' time to land
-              pl.when(g > 0)(lambda: convert_stage(g - 1))
+              # chunk g - 1's scales and zeros have had one chunk's copies' time to land (with unit_scales: the
+              # previous chunk of this unit, or the last of the previous unit, whose units all have cps chunks)
+              prev_uslot = lax.rem(ordinal + jnp.where(i > 0, 2, 1), 2)
+              prev_idx = jnp.where(i > 0, i - 1, chunks_per_split - 1)
+              pl.when(g > 0)(lambda: convert_stage(g - 1, prev_uslot, prev_idx))
             return ()
 
           lax.fori_loop(0, n_steps, step, ())
           return n_steps
 
-        total = for_each_unit(produce)
+        total, n_units = for_each_unit(produce)
         if convert and "compute_only" not in ablations:
-          pl.when(total > 0)(lambda: convert_stage(total - 1))
+          pl.when(total > 0)(lambda: convert_stage(total - 1, lax.rem(n_units + 1, 2), chunks_per_split - 1))
         for i in range(stages):       # observe the release of the last stages: no barrier phase left pending
           @pl.when(total + i >= stages)
           def _():
             plgpu.barrier_wait(consumed.at[lax.rem(total + i, stages)])
+        if unit_sz and not convert:   # and of the last two units' scales and zeros
+          for j in range(2):
+            @pl.when((n_units + j >= 2) & (total > 0))
+            def _():
+              plgpu.barrier_wait(r["unit_free"].at[lax.rem(n_units + j, 2)])
 
       def consumer(w: int):
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def chunk_products(acc_ref, slot):
+        def chunk_products(acc_ref, slot, uslot, idx):
           if "load_only" in ablations:
             return
           biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
@@ -539,11 +600,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               s16, z16 = [plgpu.load(ref.at[slot, w, gi], layout=_ROW, optimized=False) if on_gpu
                           else ref[slot, w, gi] for ref in (r["ring_sb"], r["ring_zb"])]
             else:
+              at = (uslot, w, idx * gpc + gi) if unit_sz else (slot, w, gi)
               if on_gpu:
-                s = plgpu.load(ring_s.at[slot, w, gi], layout=_ROW, optimized=False)
-                z = plgpu.load(ring_z.at[slot, w, gi], layout=_ROW, optimized=False)
+                s = plgpu.load(ring_s.at[at], layout=_ROW, optimized=False)
+                z = plgpu.load(ring_z.at[at], layout=_ROW, optimized=False)
               else:
-                s, z = ring_s[slot, w, gi], ring_z[slot, w, gi]
+                s, z = ring_s[at], ring_z[at]
               s16 = s.astype(jnp.float32).astype(jnp.bfloat16)
               z16 = (z.astype(jnp.float32) + 128.0).astype(jnp.bfloat16)      # exact: 128..143
             biases.append(lax.broadcast_in_dim(z16, (SUB_N, ppw * PLANE), [0]))
@@ -585,15 +647,19 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               r["corr_smem"][w] = a_c
               plgpu.wgmma(acc_ref, r["corr_smem"].at[w], xst)
 
-        def consume(info, first):
+        def consume(info, first, ordinal):
           b, p, sp, _, _, n_steps = info
+          uslot = lax.rem(ordinal, 2)
+          own_unit_sz = unit_sz and not convert         # these warpgroups read the unit's scales and zeros
+          if own_unit_sz:
+            pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
 
           def run(acc_ref):
             def step(i, _):
               g = first + i
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(loaded.at[slot])
-              chunk_products(acc_ref, slot)
+              chunk_products(acc_ref, slot, uslot, i)
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
@@ -614,6 +680,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               @pl.when(n_steps > 0)
               def _():
                 plgpu.barrier_arrive(consumed.at[lax.rem(first + n_steps + stages - 1, stages)])
+            if own_unit_sz:     # every chunk's scales are in registers or consumed: the unit slot is free
+              pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
             return acc_ref[...]
 
           acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
@@ -650,7 +718,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               dst[...] = y.T
           return n_steps
 
-        total = for_each_unit(consume)
+        total, _ = for_each_unit(consume)
         if gate_in_kernel and w == 1:
           @pl.when(total > 0)
           def _():
@@ -739,6 +807,10 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   fma = cfg["fold"] == "fma"
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]),
                                                fma=fma)
+  gpc = layout.CHUNK_K // w.group_size
+  unit_scales = (bool(cfg["unit_scales"]) and n_chunks % cps == 0
+                 and smem_bytes(block_m, w.group_size, stages, bool(cfg["convert_in_producer"]), fma, cps * gpc)
+                 <= SMEM_LIMIT)
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
@@ -758,7 +830,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
-                      convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"])
+                      convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"],
+                      unit_scales=unit_scales)
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   packed = w.packed
   if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows

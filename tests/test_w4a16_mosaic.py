@@ -346,13 +346,14 @@ def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra):
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
   base = dict(persistent=persistent, splits=splits, num_ctas=3, **extra)
-  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=False))
   y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=True))
   assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
 
 
-@pytest.mark.parametrize("cfg", [dict(unit_scales=True), dict(unit_scales=True, convert_in_producer=True, fold="fma")])
+@pytest.mark.parametrize("cfg", [dict(unit_scales=True), dict(unit_scales=True, convert_in_producer=True, fold="fma"),
+                                 dict(unit_scales=False)])
 def test_unit_scales_moe_and_lowering(cfg):
   err, w13 = small_moe_vs_float64(51, cfg)
   assert err < 1.5e-2

@@ -7,8 +7,10 @@ speed (NOTES.md, "Hopper kernel"). Orientation: the weights are the wgmma M side
   A = W^T of plane j, decoded in registers;  B = x^T of K rows [32 j, 32 j + 32), a transposed view of SMEM.
 
 CTA (b, p, s) = row block b (block_m rows of one expert), column tile p, K split s; three warpgroups:
-  warpgroup 2  producer: per chunk, TMA copies of two [32, 64] int32 word tiles (16 KiB), their scales and zeros
-               and the block's x tile [bm, 256] bf16 into stage `slot` of a `num_stages` ring (one mbarrier each).
+  warpgroup 2  producer: per chunk, TMA copies of two [32, 64] int32 word tiles (16 KiB) and the block's x tile
+               [bm, 256] bf16 into stage `slot` of a `num_stages` ring (one mbarrier each); per work unit, one copy
+               of each consumer's scales and zeros for all the unit's groups into one of two unit slots
+               (`unit_scales`; per chunk where units differ in length or the slots do not fit).
   warpgroups 0, 1  consumers: warpgroup w owns one 64-column sub-tile (gated: w = 0 the gate columns, w = 1 the
                same columns of the up half; else columns 128 p + 64 w) and one [64, bm] f32 accumulator.
 
@@ -30,7 +32,12 @@ through an SMEM scratch and stores with jnp (`_INTERPRET_A`). GPU-only code path
 kernel for CUDA on the CPU (tests/test_w4a16_mosaic.py), which runs Mosaic GPU's layout, TMA and wgmma checks.
 
 Output: rows of blocks in use are written whole (padding rows too: x's padding rows are zero, so finite); rows of
-unused blocks (expert -1) are left unwritten, as in triton.py. K splits write float32 partials summed by XLA.
+unused blocks (expert -1) are left unwritten, as in triton.py. K splits write float32 partials summed by XLA (the
+MoE's down projection: in the combine's gather, routing.combine).
+
+Persistent grid (the default): one CTA per SM walks the work units round-robin and the ring runs on across units.
+The GPU's power cap, not its memory or issue rate alone, bounds the MoE at T >= 16 on an H200 (NOTES v11): every
+copy and instruction saved per weight is time.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=False)
+                      unit_scales=True)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -89,8 +96,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # unit_scales: each work unit's scales and zeros arrive in one copy per array and consumer (its [chunks x groups,
 # 64] tiles) into one of two unit slots, instead of four small copies per 256-row chunk; where the units have
-# equal lengths and both slots fit in SMEM beside the ring, else per chunk as before. Under the H200's power cap
-# (NOTES v11) leaving the per-chunk scale and zero copies out made the MoE 7% faster at T = 64.
+# equal lengths and both slots fit in SMEM beside the ring, else per chunk. H200, 1b8caed, same process, MoE g64 /
+# g128: T = 1 81.2 / 77.4 -> 80.3 / 75.5 µs, T = 16 849 / 801 -> 805 / 802, T = 64 1,853 / 1,762 -> 1,743 / 1,681;
+# dense unchanged (NOTES v11).
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no

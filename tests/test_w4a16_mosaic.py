@@ -333,12 +333,24 @@ def test_convert_in_producer_moe_and_lowering():
               config=dict(convert_in_producer=True, num_stages=2), interpret=True)
 
 
+def _record_unit_scales(monkeypatch):
+  """The unit_scales argument of every kernel built from here on (the per-unit path is taken only where it pays)."""
+  taken = []
+  real = ms._kernel_call
+
+  def spy(**kw):
+    taken.append(kw["unit_scales"])
+    return real(**kw)
+  monkeypatch.setattr(ms, "_kernel_call", spy)
+  return taken
+
+
 @pytest.mark.parametrize("g,m,persistent,splits,extra",
-                         [(64, 7, True, 2, {}),                                   # 2 x 2 chunks, 3 CTAs, 2 slots
+                         [(64, 7, True, 2, dict(num_stages=2)),                   # 2 x 2 chunks, 3 CTAs, 2 slots
                           (128, 16, False, 1, {}),                                 # one unit per CTA
                           (64, 9, True, 4, dict(convert_in_producer=True)),        # the producer converts
                           (128, 16, True, 2, dict(convert_in_producer=True, fold="fma"))])
-def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra):
+def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra, monkeypatch):
   """unit_scales: each unit's scales and zeros in one copy per array and consumer, in one of two slots that the
   ring runs across (units walked 3 per CTA, K splits). The same values reach the fold, so the same output bits."""
   rng = np.random.default_rng(500 + g + m)
@@ -346,17 +358,34 @@ def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra):
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
   base = dict(persistent=persistent, splits=splits, num_ctas=3, **extra)
+  taken = _record_unit_scales(monkeypatch)
   y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=False))
   y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=True))
+  assert taken == [False, True]
   assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
 
 
-@pytest.mark.parametrize("cfg", [dict(unit_scales=True), dict(unit_scales=True, convert_in_producer=True, fold="fma"),
+def test_unit_scales_only_where_the_ring_is_not_held_back(monkeypatch):
+  """Without the producer's conversion the consumers free a unit's slot at its end, so units shorter than the ring
+  keep the per-chunk copies; units that do not divide K, too."""
+  rng = np.random.default_rng(7)
+  w = to_device(layout.pack(*rand_awq(rng, 1024, 128, 64), 64, xp=np))           # 4 chunks
+  x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
+  taken = _record_unit_scales(monkeypatch)
+  for cfg in (dict(splits=2), dict(splits=2, num_stages=2), dict(splits=3), dict(splits=2, convert_in_producer=True)):
+    api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(cfg, num_ctas=2))
+  assert taken == [False, True, False, True]
+
+
+@pytest.mark.parametrize("cfg", [dict(unit_scales=True, num_stages=2, splits=1),
+                                 dict(unit_scales=True, convert_in_producer=True, fold="fma"),
                                  dict(unit_scales=False)])
-def test_unit_scales_moe_and_lowering(cfg):
+def test_unit_scales_moe_and_lowering(cfg, monkeypatch):
+  taken = _record_unit_scales(monkeypatch)
   err, w13 = small_moe_vs_float64(51, cfg)
   assert err < 1.5e-2
+  assert taken[0] == cfg["unit_scales"]                  # the gated gate|up kernel took the path asked for
   xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
   for c in (cfg, dict(cfg, ablate="compute_only"), dict(cfg, ablate="load_only"), dict(cfg, splits=2)):
     text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(c, num_ctas=132)), xs, first_expert(w13))

@@ -96,7 +96,8 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # unit_scales: each work unit's scales and zeros arrive in one copy per array and consumer (its [chunks x groups,
 # 64] tiles) into one of two unit slots, instead of four small copies per 256-row chunk; where the units have
-# equal lengths and both slots fit in SMEM beside the ring, else per chunk. H200, 1b8caed, same process, MoE g64 /
+# equal lengths, both slots fit in SMEM beside the ring and (unless the producer converts) a unit is at least as
+# long as the ring, else per chunk. H200, 1b8caed, same process, MoE g64 /
 # g128: T = 1 81.2 / 77.4 -> 80.3 / 75.5 µs, T = 16 849 / 801 -> 805 / 802, T = 64 1,853 / 1,762 -> 1,743 / 1,681;
 # dense unchanged (NOTES v11).
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
@@ -816,9 +817,12 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]),
                                                fma=fma)
   gpc = layout.CHUNK_K // w.group_size
-  unit_scales = (bool(cfg["unit_scales"]) and n_chunks % cps == 0
-                 and smem_bytes(block_m, w.group_size, stages, bool(cfg["convert_in_producer"]), fma, cps * gpc)
-                 <= SMEM_LIMIT)
+  convert = bool(cfg["convert_in_producer"])
+  # per-unit scales where the units are equal, their two slots fit, and the slots cannot hold the ring back: the
+  # consumers free a unit's slot at its end, so with units shorter than the ring the producer could run only two
+  # units ahead (the producer's own conversion frees it sooner)
+  unit_scales = (bool(cfg["unit_scales"]) and n_chunks % cps == 0 and (convert or cps >= stages)
+                 and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc) <= SMEM_LIMIT)
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)

@@ -333,13 +333,14 @@ def test_convert_in_producer_moe_and_lowering():
               config=dict(convert_in_producer=True, num_stages=2), interpret=True)
 
 
-def _record_unit_scales(monkeypatch):
-  """The unit_scales argument of every kernel built from here on (the per-unit path is taken only where it pays)."""
+def _record_kernel_args(monkeypatch, name):
+  """The argument `name` of every kernel built from here on (per-unit scales and stream-K are taken only where
+  they apply)."""
   taken = []
   real = ms._kernel_call
 
   def spy(**kw):
-    taken.append(kw["unit_scales"])
+    taken.append(kw[name])
     return real(**kw)
   monkeypatch.setattr(ms, "_kernel_call", spy)
   return taken
@@ -358,7 +359,7 @@ def test_unit_scales_give_the_same_bits(g, m, persistent, splits, extra, monkeyp
   w = to_device(layout.pack(q, z, s, g, xp=np))
   x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
   base = dict(persistent=persistent, splits=splits, num_ctas=3, **extra)
-  taken = _record_unit_scales(monkeypatch)
+  taken = _record_kernel_args(monkeypatch, "unit_scales")
   y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=False))
   y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unit_scales=True))
   assert taken == [False, True]
@@ -372,7 +373,7 @@ def test_unit_scales_only_where_the_ring_is_not_held_back(monkeypatch):
   rng = np.random.default_rng(7)
   w = to_device(layout.pack(*rand_awq(rng, 1024, 128, 64), 64, xp=np))           # 4 chunks
   x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
-  taken = _record_unit_scales(monkeypatch)
+  taken = _record_kernel_args(monkeypatch, "unit_scales")
   for cfg in (dict(splits=2), dict(splits=2, num_stages=2), dict(splits=3), dict(splits=2, convert_in_producer=True)):
     api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(cfg, num_ctas=2))
   assert taken == [False, True, False, True]
@@ -382,7 +383,7 @@ def test_unit_scales_only_where_the_ring_is_not_held_back(monkeypatch):
                                  dict(unit_scales=True, convert_in_producer=True, fold="fma"),
                                  dict(unit_scales=False)])
 def test_unit_scales_moe_and_lowering(cfg, monkeypatch):
-  taken = _record_unit_scales(monkeypatch)
+  taken = _record_kernel_args(monkeypatch, "unit_scales")
   err, w13 = small_moe_vs_float64(51, cfg)
   assert err < 1.5e-2
   assert taken[0] == cfg["unit_scales"]                  # the gated gate|up kernel took the path asked for
@@ -390,6 +391,58 @@ def test_unit_scales_moe_and_lowering(cfg, monkeypatch):
   for c in (cfg, dict(cfg, ablate="compute_only"), dict(cfg, ablate="load_only"), dict(cfg, splits=2)):
     text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(c, num_ctas=132)), xs, first_expert(w13))
     assert "mosaic_gpu" in text
+
+
+def test_stream_k_plan():
+  """Each CTA at most one chunk above the mean; every unit's chunks covered once by its segments' slots."""
+  for units, n, ctas in [(144, 28, 132), (56, 72, 132), (6, 4, 4), (3, 5, 7), (1, 1, 3)]:
+    per_cta, slots, valid = routing.stream_k_plan(units, n, ctas)
+    assert per_cta == -(-units * n // ctas) and valid.shape == (slots, units)
+    covered = np.zeros((slots, units), int)
+    for c in range(ctas):
+      for g in range(c * per_cta, min((c + 1) * per_cta, units * n)):
+        t = g // n
+        covered[c - (t * n) // per_cta, t] += 1
+    assert (covered.sum(axis=0) == n).all() and ((covered > 0) == valid).all()
+  assert routing.stream_k_plan(144, 28, 132)[:2] == (31, 2)        # 7168 -> 18432 at one row block
+
+
+@pytest.mark.parametrize("m,k,n,g,ctas", [(1, 1024, 320, 64, 3),    # 3 tiles (the last half past N) of 4 chunks
+                                          (70, 768, 192, 128, 5),   # 2 blocks of 64 rows x 2 tiles x 3 chunks
+                                          (7, 512, 128, 32, 4)])     # one unit of 2 chunks over 4 CTAs
+def test_stream_k_vs_float64(m, k, n, g, ctas, monkeypatch):
+  """stream_k: the dense matmul's chunks split evenly over the CTAs; the partials of each unit's segments add to
+  the product."""
+  rng = np.random.default_rng(600 + m)
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  cfg = dict(num_ctas=ctas, stream_k=True)
+  slots = _record_kernel_args(monkeypatch, "stream_k")
+  y = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=cfg)
+  units = routing.dense_blocks(m, 8).num_blocks * -(-n // 128)
+  assert slots[0] == routing.stream_k_plan(units, k // 256, ctas)[1] > 0
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(num_ctas=ctas))
+  assert y.shape == (m, n)
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+  assert max_rel(y, np.asarray(y0, np.float64)) < 1e-2
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(stream_k=True, num_ctas=132)),
+                        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w)
+  assert "wgmma" in text
+
+
+def test_stream_k_sum_never_reads_unwritten_slots():
+  """sum_stream_k adds exactly the slots stream_k_plan marks written: NaN in every other slot never reaches it."""
+  nb, bm, n_pad = 2, 8, 192                                             # 2 blocks x 2 tiles (the last half past N)
+  per_cta, slots, valid = routing.stream_k_plan(nb * 2, 3, 3)         # units 1, 2 span two CTAs; 0, 3 one
+  rng = np.random.default_rng(1)
+  parts = rng.standard_normal((slots, nb * bm, n_pad)).astype(np.float32)
+  unit = (np.arange(nb * bm)[:, None] // bm) * 2 + np.arange(n_pad)[None, :] // 128     # [rows, cols] -> unit
+  written = valid[:, unit]                                              # [S, rows, cols]
+  poisoned = np.where(written, parts, np.nan)
+  got = np.asarray(ms.sum_stream_k(jnp.asarray(poisoned), valid, bm))
+  np.testing.assert_allclose(got, np.where(written, parts, 0).sum(axis=0), rtol=1e-6)
+  assert not np.isnan(got).any() and (~valid).any()                   # some slot was unwritten, and masked
 
 
 def test_unit_scales_need_equal_units():

@@ -67,7 +67,7 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=True, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=True)
+                      unit_scales=True, stream_k=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
@@ -100,6 +100,11 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # long as the ring, else per chunk. H200, 1b8caed, same process, MoE g64 /
 # g128: T = 1 81.2 / 77.4 -> 80.3 / 75.5 µs, T = 16 849 / 801 -> 805 / 802, T = 64 1,853 / 1,762 -> 1,743 / 1,681;
 # dense unchanged (NOTES v11).
+# stream_k: a plain matmul whose row blocks are all in use (dense linears) runs stream-K: each persistent CTA takes an
+# equal run of the units' chunks laid end to end (routing.stream_k_plan), so it is never more than one chunk above
+# the mean and crosses at most a few unit boundaries (each costs an epilogue and breaks the decode/wgmma overlap);
+# the partials of a unit's segments are summed by XLA. K splits instead give 7168x18432 at M = 1 1,008 units of 4
+# chunks: the busiest CTA runs 8 units = 32 chunks against a mean of 30.5. Opt-in: not yet measured on a GPU.
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -353,8 +358,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
-                 fold: str = "sub_mul", unit_scales: bool = False):
-  """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call)."""
+                 fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0):
+  """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
+  stream_k = S > 0: the persistent CTAs split the chunks of all num_blocks x tiles units evenly (stream_k_plan),
+  each writing a float32 partial per unit it touches into slot `segment` of [S, rows, N_pad]."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma
@@ -366,8 +373,11 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
     raise ValueError(f"w4a16 mosaic_sm90: ablate {ablate!r} is not one of {ABLATIONS} or a '+'-joined set of them.")
   stages = num_stages
   on_gpu = not interpret
-  split = splits > 1
+  split = splits > 1 or stream_k > 0
   rows_total = num_blocks * block_m
+  if stream_k and (gated or not num_ctas or unit_scales):
+    raise ValueError("w4a16 mosaic_sm90: stream_k runs plain (not gated) matmuls on the persistent grid, without "
+                     "unit_scales (its segments differ in length).")
   n_out = n_pad // 2 if gated else n_pad
   gate_in_kernel = gated and not split
   if block_m % 8 or not 8 <= block_m <= 256:
@@ -430,6 +440,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
 
   persistent = num_ctas > 0
   units_per_block = tiles * splits
+  sk_per_cta = -(-num_blocks * tiles * n_chunks // num_ctas) if stream_k else 0    # chunks per CTA
 
   def body(block_expert_ref, n_used_ref, x_ref, w_ref, s_ref, z_ref, *refs):
     if fma:
@@ -451,7 +462,28 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       n_steps = jnp.maximum(jnp.minimum(c_lo + chunks_per_split, n_chunks) - c_lo, 0)
       return b, p, sp, block_expert_ref[b], c_lo, n_steps
 
-    if persistent:
+    if stream_k:
+      # CTA c streams chunks [c L, c L + L) of the units' chunks laid end to end (unit t = block t // tiles, column
+      # tile t % tiles): a segment per unit it touches, the segment's slot = c - the first CTA of that unit
+      cta = lax.axis_index("c")
+      g_lo = cta * sk_per_cta
+      g_hi = jnp.minimum(g_lo + sk_per_cta, num_blocks * tiles * n_chunks)
+      t_first = g_lo // n_chunks
+      n_segments = jnp.where(g_hi > g_lo, (g_hi - 1) // n_chunks - t_first + 1, 0)
+
+      def segment(i):
+        t = t_first + i
+        lo = jnp.maximum(g_lo, t * n_chunks)
+        hi = jnp.minimum(g_hi, (t + 1) * n_chunks)
+        b = t // tiles
+        return b, lax.rem(t, tiles), cta - (t * n_chunks) // sk_per_cta, block_expert_ref[b], lo - t * n_chunks, hi - lo
+
+      def for_each_unit(fn):
+        """fn(segment info, chunks before it, its ordinal) -> its chunks; returns (chunks, segments)."""
+        total = lax.fori_loop(0, n_segments, lambda i, first: first + fn(segment(i), first, i), jnp.int32(0))
+        return total, n_segments
+      active = True
+    elif persistent:
       # CTA c runs units c, c + G, ... of the blocks in use; the ring and its barrier phases run on across units,
       # so the next unit's loads overlap this unit's last chunks and its epilogue
       cta = lax.axis_index("c")
@@ -737,7 +769,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         pl.when(wg == w)(functools.partial(consumer, w))
 
   if split:
-    out_type = jax.ShapeDtypeStruct((splits, rows_total, n_pad), jnp.float32)
+    out_type = jax.ShapeDtypeStruct((stream_k or splits, rows_total, n_pad), jnp.float32)
   else:
     out_type = jax.ShapeDtypeStruct((rows_total, n_out), out_dtype)
   kernel = plgpu.kernel(
@@ -749,6 +781,18 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       )
   return jax.jit(kernel)
+
+
+def sum_stream_k(parts: jax.Array, valid: np.ndarray, block_m: int) -> jax.Array:
+  """Stream-K partials [S, NB*block_m, N_pad] -> [NB*block_m, N_pad] float32: the sum over the slots each unit
+  (row block, 128-column tile) wrote, valid [S, NB*tiles] (routing.stream_k_plan). Slots a unit did not write
+  hold whatever the buffer held and are never added."""
+  slots, rows, n_pad = parts.shape
+  nb, cols = rows // block_m, NUM_CONSUMERS * SUB_N
+  tiles = -(-n_pad // cols)
+  parts = jnp.pad(parts, ((0, 0), (0, 0), (0, tiles * cols - n_pad))).reshape(slots, nb, block_m, tiles, cols)
+  keep = jnp.asarray(valid.reshape(slots, nb, 1, tiles, 1))
+  return jnp.where(keep, parts, 0.0).sum(axis=0).reshape(rows, tiles * cols)[:, :n_pad]
 
 
 def group_sums(x: jax.Array, group: int) -> jax.Array:
@@ -801,7 +845,11 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   num_ctas = 0
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
-  if cfg.get("splits"):
+  stream_k = bool(cfg["stream_k"]) and num_ctas > 0 and not gated and busy_blocks == nb and not keep_splits
+  if stream_k:
+    splits = 1
+    per_cta, slots, valid = routing.stream_k_plan(nb * tiles, n_chunks, num_ctas)
+  elif cfg.get("splits"):
     splits = cfg["splits"]
   elif keep_splits and num_ctas:
     # a split's partials cost a write of every row and a read in the caller's gather: in chunk-equivalents of one
@@ -821,7 +869,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   # per-unit scales where the units are equal, their two slots fit, and the slots cannot hold the ring back: the
   # consumers free a unit's slot at its end, so with units shorter than the ring the producer could run only two
   # units ahead (the producer's own conversion frees it sooner)
-  unit_scales = (bool(cfg["unit_scales"]) and n_chunks % cps == 0 and (convert or cps >= stages)
+  unit_scales = (bool(cfg["unit_scales"]) and not stream_k and n_chunks % cps == 0 and (convert or cps >= stages)
                  and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc) <= SMEM_LIMIT)
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
@@ -843,15 +891,17 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"],
-                      unit_scales=unit_scales)
+                      unit_scales=unit_scales, stream_k=slots if stream_k else 0)
   n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
   packed = w.packed
   if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows
     packed = packed.reshape(*packed.shape[:-2], -1, SUB_N)
   out = call(block_expert, n_used, xb, packed, w.scales, w.zeros, *extra)
-  if splits > 1 and keep_splits:
+  if stream_k:
+    out = sum_stream_k(out, valid, block_m)
+  elif splits > 1 and keep_splits:
     return out
-  if splits > 1:
+  elif splits > 1:
     out = out.sum(axis=0)
     if gated:
       n_out = w.n_pad // 2

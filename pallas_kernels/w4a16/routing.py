@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.w4a16 import layout
 
@@ -158,6 +159,18 @@ def balanced_k_splits(n_chunks: int, units: int, ctas: int, partial_chunks: floa
     s = -(-n_chunks // cps)
     return -(-units * s // ctas) * cps + partial_chunks * (s - 1), s
   return min((cost(s) for s in range(1, n_chunks + 1)), key=lambda c: c[0])[1]
+
+
+def stream_k_plan(units: int, n_chunks: int, ctas: int):
+  """Stream-K over `units` work units of n_chunks chunks each, laid end to end: CTA c takes chunks [c L, c L + L),
+  L = ceil(units n_chunks / ctas), so no CTA runs more than one chunk above the mean, and a unit's chunks end up in
+  1, 2, ... segments on consecutive CTAs. Returns (L, S = the most segments of any unit, valid [S, units] bool:
+  whether unit t has a segment k, i.e. whether slot k of its partial sums is written)."""
+  per_cta = -(-units * n_chunks // ctas)
+  t = np.arange(units)
+  segments = ((t + 1) * n_chunks - 1) // per_cta - (t * n_chunks) // per_cta + 1
+  most = int(segments.max())
+  return per_cta, most, np.arange(most)[:, None] < segments[None, :]
 
 
 def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config: dict, interpret: bool,

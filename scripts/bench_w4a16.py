@@ -170,7 +170,7 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="time kernel configurations first")
   ap.add_argument("--sweep-configs", default=None,
                   help='JSON list of kernel configs for --sweep (default: a fixed list), e.g. \'[{}, {"num_warps": 4}]\'')
-  ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep")
+  ap.add_argument("--sweep-ts", default="64", help="MoE token counts for --sweep ('' for none)")
   ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep ('' for none)")
   ap.add_argument("--sweep-groups", default="64", help="MoE quantization group sizes for --sweep")
   ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
@@ -202,15 +202,15 @@ def main(argv=None):
     configs = (json.loads(args.sweep_configs) if args.sweep_configs else
                [dict(), dict(num_warps=2), dict(num_warps=8), dict(block_n=256), dict(block_n=256, num_warps=8),
                 dict(block_n=64, num_warps=8), dict(num_stages=1), dict(block_n=256, num_warps=2)])
-    sweep_ts = tuple(int(t) for t in args.sweep_ts.split(","))
+    sweep_ts = tuple(int(t) for t in args.sweep_ts.split(",") if t)
     for cfg in configs:
       if args.sweep_backend in broken:
         break
       sweep_rows = []
       try:
-        bench_moe(sweep_rows, ceiling, sweep_ts, tuple(int(g) for g in args.sweep_groups.split(",")), (),
-                  config=cfg, check_ts=sweep_ts[:1],
-                  backend=args.sweep_backend)
+        if sweep_ts:
+          bench_moe(sweep_rows, ceiling, sweep_ts, tuple(int(g) for g in args.sweep_groups.split(",")), (),
+                    config=cfg, check_ts=sweep_ts[:1], backend=args.sweep_backend)
         sweep_ms = tuple(int(m) for m in args.sweep_ms.split(",") if m)
         if sweep_ms:
           bench_dense(sweep_rows, ceiling, sweep_ms, True, config=cfg, backend=args.sweep_backend)

@@ -445,6 +445,23 @@ def test_stream_k_sum_never_reads_unwritten_slots():
   assert not np.isnan(got).any() and (~valid).any()                   # some slot was unwritten, and masked
 
 
+def test_padding_rows_are_never_written():
+  """Only a block's valid rows are stored (interpret mode's fresh outputs are NaN, so unwritten rows show): M = 3 in
+  an 8-row block, unsplit and K-split; the MoE's down projection then reads the gate|up output's NaN padding rows
+  in place, and no NaN reaches the tokens' outputs (test_moe_* compare those against float64)."""
+  rng = np.random.default_rng(8)
+  q, z, s = rand_awq(rng, 512, 128, 64)
+  w = to_device(layout.pack(q, z, s, 64, xp=np))
+  x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+  blocks = routing.dense_blocks(3, 8)
+  for splits in (1, 2):
+    y = np.asarray(ms.grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
+                                     block_m=8, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=1,
+                                     interpret=True, config=dict(num_ctas=2, splits=splits)))
+    assert y.shape == (8, 128) and np.isnan(y[3:]).all()
+    assert max_rel(y[:3], np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
+
+
 def test_unit_scales_need_equal_units():
   with pytest.raises(ValueError, match="unit_scales"):
     ms._kernel_call(num_blocks=1, block_m=8, tiles=1, splits=2, chunks_per_split=2, n_chunks=3, group=64, n_pad=128,

@@ -31,8 +31,9 @@ Interpret mode (CPU) runs neither a register A operand nor inline PTX: the same 
 through an SMEM scratch and stores with jnp (`_INTERPRET_A`). GPU-only code paths are checked by lowering the
 kernel for CUDA on the CPU (tests/test_w4a16_mosaic.py), which runs Mosaic GPU's layout, TMA and wgmma checks.
 
-Output: rows of blocks in use are written whole (padding rows too: x's padding rows are zero, so finite); rows of
-unused blocks (expert -1) are left unwritten, as in triton.py. K splits write float32 partials summed by XLA (the
+Output: the valid rows of each block in use (a prefix of the block) are written; padding rows and the rows of
+unused blocks (expert -1) are left unwritten, as in triton.py (at T = 64 most rows of an 8-row block are padding:
+the down projection's float32 rows were ~58 MB written for ~15 MB read). K splits write float32 partials summed by XLA (the
 MoE's down projection: in the combine's gather, routing.combine).
 
 Persistent grid (the default): one CTA per SM walks the work units round-robin and the ring runs on across units.
@@ -322,16 +323,26 @@ def _corr_operand_gpu(gpc: int):
   return build
 
 
-def _store_transposed_gpu(acc, out_ref):
+def _store_transposed_gpu(acc, out_ref, rows_ref=None):
   """out_ref [bm, 64] (GMEM) <- acc [64, bm]^T, one scalar store per element (rows of a block are few; the
-  transpose is free in registers)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def store(_ctx, a, ref):
+  transpose is free in registers); with rows_ref, only the block's first rows_ref[0] rows (its valid ones: padding
+  rows are left unwritten)."""
+  masked = rows_ref is not None
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()) + ((plgpu.RefType(),) if masked else ()))
+  def store(_ctx, a, ref, *rows):
+    index = ir.IndexType.get()
+    valid = arith.index_cast(index, memref.load(rows[0], [arith.constant(index, 0)])) if rows else None
+
     def put(value, idx):
-      memref.store(value, ref, [idx[1], idx[0]])
+      if valid is None:
+        memref.store(value, ref, [idx[1], idx[0]])
+        return
+      with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.slt, idx[1], valid)):
+        memref.store(value, ref, [idx[1], idx[0]])
     a.foreach(put)
 
-  store(acc, out_ref)
+  store(acc, out_ref, *((rows_ref,) if masked else ()))
 
 
 def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False,
@@ -442,7 +453,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   units_per_block = tiles * splits
   sk_per_cta = -(-num_blocks * tiles * n_chunks // num_ctas) if stream_k else 0    # chunks per CTA
 
-  def body(block_expert_ref, n_used_ref, x_ref, w_ref, s_ref, z_ref, *refs):
+  def body(block_expert_ref, counts_ref, x_ref, w_ref, s_ref, z_ref, *refs):
     if fma:
       xs_ref, o_ref, *scratch_refs = refs
     else:
@@ -487,7 +498,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       # CTA c runs units c, c + G, ... of the blocks in use; the ring and its barrier phases run on across units,
       # so the next unit's loads overlap this unit's last chunks and its epilogue
       cta = lax.axis_index("c")
-      my_units = jnp.maximum(n_used_ref[0] * units_per_block - cta + num_ctas - 1, 0) // num_ctas
+      my_units = jnp.maximum(counts_ref[0] * units_per_block - cta + num_ctas - 1, 0) // num_ctas
 
       def for_each_unit(fn):
         """fn(unit info, chunks before it, its ordinal) -> its chunks; returns (chunks, units)."""
@@ -754,9 +765,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           @pl.when(in_range)
           def _store():
             if on_gpu:
-              _store_transposed_gpu(y, dst)
+              _store_transposed_gpu(y, dst, counts_ref.at[pl.ds(1 + b, 1)])
             else:
-              dst[...] = y.T
+              valid = lax.broadcasted_iota(jnp.int32, (block_m, SUB_N), 0) < counts_ref[1 + b]
+              dst[...] = jnp.where(valid, y.T, dst[...])
           return n_steps
 
         total, _ = for_each_unit(consume)
@@ -820,9 +832,11 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                    busy_blocks: int, interpret: bool = False, config: dict | None = None,
                    x_in_block_order: bool = False, keep_splits: bool = False) -> jax.Array:
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
-  rows of unused blocks are garbage, padding rows of used blocks finite. x rows are gathered (and K-padded) by XLA
-  into block order first, unless x_in_block_order: x is already [NB*block_m, >= K] in block order with finite
-  rows in every used block (the first grouped matmul's output), and the kernel reads it where it is. `weighted`
+  padding rows and the rows of unused blocks are garbage (never written); a block's valid rows (row_token >= 0)
+  must be a prefix of it, as routing.align and dense_blocks make them. x rows are gathered (and K-padded) by XLA
+  into block order first, unless x_in_block_order: x is already [NB*block_m, >= K] in block order (the first
+  grouped matmul's output, garbage in its padding rows: a token is one wgmma column, so a padding row's values
+  reach only that row's output), and the kernel reads it where it is. `weighted`
   multiplies the rows by row_weight after the kernel. keep_splits (not gated, not weighted): the K splits are
   chosen to balance the persistent grid (routing.balanced_k_splits) and, where there are several, returned as
   float32 partials [S, NB*block_m, N_pad] for the caller to sum (routing.combine does it in its gather)."""
@@ -892,11 +906,13 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"],
                       unit_scales=unit_scales, stream_k=slots if stream_k else 0)
-  n_used = jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1)      # blocks in use: a prefix (routing.align)
+  # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
+  counts = jnp.concatenate([jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1),
+                            jnp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=jnp.int32)])
   packed = w.packed
   if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows
     packed = packed.reshape(*packed.shape[:-2], -1, SUB_N)
-  out = call(block_expert, n_used, xb, packed, w.scales, w.zeros, *extra)
+  out = call(block_expert, counts, xb, packed, w.scales, w.zeros, *extra)
   if stream_k:
     out = sum_stream_k(out, valid, block_m)
   elif splits > 1 and keep_splits:

@@ -33,8 +33,8 @@ kernel for CUDA on the CPU (tests/test_w4a16_mosaic.py), which runs Mosaic GPU's
 
 Output: the valid rows of each block in use (a prefix of the block) are written; padding rows and the rows of
 unused blocks (expert -1) are left unwritten, as in triton.py (at T = 64 most rows of an 8-row block are padding:
-the down projection's float32 rows were ~58 MB written for ~15 MB read). K splits write float32 partials summed by XLA (the
-MoE's down projection: in the combine's gather, routing.combine).
+the down projection's float32 rows were ~58 MB written for ~15 MB read). K splits write float32 partials summed by
+XLA (the MoE's down projection: in the combine's gather, routing.combine).
 
 Persistent grid (the default): one CTA per SM walks the work units round-robin and the ring runs on across units.
 The GPU's power cap, not its memory or issue rate alone, bounds the MoE at T >= 16 on an H200 (NOTES v11): every

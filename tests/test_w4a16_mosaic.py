@@ -266,7 +266,7 @@ def test_moe_interpret_block_m_8_vs_float64():
                                     *(dict(ablate=a) for a in ms.ABLATIONS if a),
                                     dict(ablate="compute_only+fold+decode"),
                                     dict(ablate="compute_only+fold+decode+words", planes_per_wgmma=2),
-                                    dict(ablate="load_only+contig"),
+                                    dict(ablate="load_only+nosz"),
                                     dict(ablate="nox+nosz", convert_in_producer=True, fold="fma"),
                                     dict(ablate="compute_only+scales+corr+paired", convert_in_producer=True,
                                          fold="fma", planes_per_wgmma=2),

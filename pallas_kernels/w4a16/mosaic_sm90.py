@@ -116,12 +116,11 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # "paired": the decode of a word format without prmt (a shift and a lop3 per register; _paired_nibble_asm), timed
 # on this format. "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
 # correction wgmma of the fma fold.
-# "contig": each [32, 64] word tile read as one contiguous 8 KiB run (the same bytes reshaped; wrong values), the
-# DRAM pattern of a tile-major packed format. "nox": no copies of the x tile (and of the correction's X) per chunk,
+# Measured and removed: "contig", each word tile read as one contiguous 8 KiB run (a tile-major format's DRAM
+# pattern): no faster (NOTES v11). "nox": no copies of the x tile (and of the correction's X) per chunk,
 # the consumers multiply whatever the ring holds; "nosz": no copies of the scales and zeros per chunk (what
 # streaming only the weights, or x once per block, would save: under the H200's power cap, NOTES v11).
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "contig",
-             "nox", "nosz")
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "nox", "nosz")
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -594,12 +593,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 plgpu.barrier_arrive(loaded.at[slot])
             for w in range(NUM_CONSUMERS):
               col = pl.ds(column(p, w), SUB_N)
-              if "contig" in ablations:     # the tile's 8 KiB as one contiguous run of the words (wrong values)
-                tile = (column(p, w) // SUB_N) * n_chunks + c
-                src = w_ref.at[expert, pl.ds(tile * WORD_ROWS, WORD_ROWS), :]
-              else:
-                src = w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col]
-              plgpu.copy_gmem_to_smem(src, ring_w.at[slot, w], loaded.at[slot])
+              plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
+                                      loaded.at[slot])
               if not unit_sz and "nosz" not in ablations:
                 plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
                 plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
@@ -909,10 +904,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
   counts = jnp.concatenate([jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1),
                             jnp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=jnp.int32)])
-  packed = w.packed
-  if cfg["ablate"] and "contig" in cfg["ablate"].split("+"):    # the same bytes seen as [E, tiles, 64] rows
-    packed = packed.reshape(*packed.shape[:-2], -1, SUB_N)
-  out = call(block_expert, counts, xb, packed, w.scales, w.zeros, *extra)
+  out = call(block_expert, counts, xb, w.packed, w.scales, w.zeros, *extra)
   if stream_k:
     out = sum_stream_k(out, valid, block_m)
   elif splits > 1 and keep_splits:

@@ -861,8 +861,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   elif cfg.get("splits"):
     splits = cfg["splits"]
   elif keep_splits and num_ctas:
-    # a split's partials cost a write of every row and a read in the caller's gather: in chunk-equivalents of one
-    # CTA's time, rows x N_pad x 4 bytes against one chunk's weights on every CTA
+    # a split's partials cost a write of its rows and a read in the caller's gather: in chunk-equivalents of one
+    # CTA's time, at most rows x N_pad x 4 bytes (only valid rows are written) against a chunk on every CTA
     chunk_bytes = layout.CHUNK_K * SUB_N * NUM_CONSUMERS // 2
     partial = block_expert.shape[0] * block_m * w.n_pad * 4 / (chunk_bytes * num_ctas)
     splits = routing.balanced_k_splits(n_chunks, busy_blocks * tiles, num_ctas, partial)

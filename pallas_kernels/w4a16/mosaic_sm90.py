@@ -115,11 +115,11 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
 # "paired": the decode of a word format without prmt (a shift and a lop3 per register; _paired_nibble_asm), timed
 # on this format. "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
-# correction wgmma of the fma fold.
+# correction wgmma of the fma fold. "nox": no copies of the x tile (and of the correction's X) per chunk, the
+# consumers multiply whatever the ring holds; "nosz": no copies of the scales and zeros per chunk (what streaming
+# only the weights, or x once per block, would save under the H200's power cap, NOTES v11).
 # Measured and removed: "contig", each word tile read as one contiguous 8 KiB run (a tile-major format's DRAM
-# pattern): no faster (NOTES v11). "nox": no copies of the x tile (and of the correction's X) per chunk,
-# the consumers multiply whatever the ring holds; "nosz": no copies of the scales and zeros per chunk (what
-# streaming only the weights, or x once per block, would save: under the H200's power cap, NOTES v11).
+# pattern): no faster (NOTES v11).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "nox", "nosz")
 DENSE_CONFIG = dict(target_programs=1056)
 
@@ -370,8 +370,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
                  fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
-  stream_k = S > 0: the persistent CTAs split the chunks of all num_blocks x tiles units evenly (stream_k_plan),
-  each writing a float32 partial per unit it touches into slot `segment` of [S, rows, N_pad]."""
+  stream_k = S > 0 (routing.stream_k_plan's slot count for these units): the persistent CTAs split the chunks of
+  all num_blocks x tiles units evenly, each writing a float32 partial per unit it touches into slot `segment` of
+  [S, rows, N_pad]."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma
@@ -450,7 +451,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
 
   persistent = num_ctas > 0
   units_per_block = tiles * splits
-  sk_per_cta = -(-num_blocks * tiles * n_chunks // num_ctas) if stream_k else 0    # chunks per CTA
+  if stream_k:
+    sk_per_cta = routing.stream_k_plan(num_blocks * tiles, n_chunks, num_ctas)[0]     # chunks per CTA
 
   def body(block_expert_ref, counts_ref, x_ref, w_ref, s_ref, z_ref, *refs):
     if fma:
@@ -857,7 +859,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   stream_k = bool(cfg["stream_k"]) and num_ctas > 0 and not gated and busy_blocks == nb and not keep_splits
   if stream_k:
     splits = 1
-    per_cta, slots, valid = routing.stream_k_plan(nb * tiles, n_chunks, num_ctas)
+    _, slots, valid = routing.stream_k_plan(nb * tiles, n_chunks, num_ctas)
   elif cfg.get("splits"):
     splits = cfg["splits"]
   elif keep_splits and num_ctas:
@@ -871,10 +873,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
   fma = cfg["fold"] == "fma"
-  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=bool(cfg["convert_in_producer"]),
-                                               fma=fma)
-  gpc = layout.CHUNK_K // w.group_size
   convert = bool(cfg["convert_in_producer"])
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=convert, fma=fma)
+  gpc = layout.CHUNK_K // w.group_size
   # per-unit scales where the units are equal, their two slots fit, and the slots cannot hold the ring back: the
   # consumers free a unit's slot at its end, so with units shorter than the ring the producer could run only two
   # units ahead (the producer's own conversion frees it sooner)
@@ -899,8 +900,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
                       overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
-                      convert_in_producer=bool(cfg["convert_in_producer"]), fold=cfg["fold"],
-                      unit_scales=unit_scales, stream_k=slots if stream_k else 0)
+                      convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
+                      stream_k=slots if stream_k else 0)
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
   counts = jnp.concatenate([jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1),
                             jnp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=jnp.int32)])

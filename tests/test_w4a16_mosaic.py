@@ -112,8 +112,10 @@ def test_moe_lowers_for_sm90(persistent):
                          [(1, 512, 192, 64, 1, False, False, 1), (7, 768, 128, 128, 3, False, False, 1),
                           (64, 256, 64, 32, 1, False, False, 1), (7, 1280, 128, 64, 1, True, False, 1),
                           (16, 768, 192, 32, 3, True, False, 1),
-                          # persistent: 3 CTAs walk 2 blocks x 3 column tiles x 2 splits (one ring across units)
-                          (40, 1024, 320, 64, 2, True, True, 1), (7, 512, 192, 128, 1, False, True, 1),
+                          # persistent: 3 CTAs walk 1 block x 3 column tiles x 2 splits (one ring across units),
+                          # and 2 blocks of 64 rows (no overlap: ms.OVERLAP_MAX_BLOCK_M)
+                          (24, 1024, 320, 64, 2, True, True, 1), (72, 512, 320, 64, 2, False, True, 1),
+                          (7, 512, 192, 128, 1, False, True, 1),
                           # planes_per_wgmma: two (g64) and four (g128) planes per wgmma operand
                           (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4)])
 def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes):
@@ -460,6 +462,22 @@ def test_padding_rows_are_never_written():
                                      interpret=True, config=dict(num_ctas=2, splits=splits)))
     assert y.shape == (8, 128) and np.isnan(y[3:]).all()
     assert max_rel(y[:3], np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
+
+
+def test_overlap_only_up_to_32_row_blocks(monkeypatch):
+  """overlap (chunk i's wgmmas in flight while chunk i + 1 decodes) gave wrong outputs at block_m 64 on an H200:
+  unset it runs only up to OVERLAP_MAX_BLOCK_M rows per block, and asking for it on larger blocks is refused."""
+  seen = []
+  real = ms._kernel_call
+  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: seen.append((kw["block_m"], kw["overlap"])) or real(**kw))
+  w = layout.random_weight(jax.random.PRNGKey(0), (), 512, 128, 64)
+  for m in (16, 32, 33, 64, 128):
+    jax.eval_shape(lambda x: ms.matmul(x, w), jax.ShapeDtypeStruct((m, 512), jnp.bfloat16))
+  assert seen == [(16, True), (32, True), (64, False), (64, False), (64, False)]
+  with pytest.raises(ValueError, match="overlap=True at block_m 64"):
+    jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=True)), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16))
+  jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=False)), jax.ShapeDtypeStruct((16, 512), jnp.bfloat16))
+  assert seen[-1] == (16, False)
 
 
 def test_unit_scales_need_equal_units():

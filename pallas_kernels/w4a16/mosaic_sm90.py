@@ -66,11 +66,15 @@ SMEM_LIMIT = 227 * 1024
 _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
-                      producer_registers=40, overlap=True, persistent=True, num_ctas=None,
+                      producer_registers=40, overlap=None, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
                       unit_scales=True, stream_k=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
-# 2.15 ms); False waits for them at the end of each chunk.
+# 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
+# it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
+# magnitude, with or without unit_scales, masked stores or K splits, at 2 or 3 stages; overlap=False exact; M = 16
+# / 32 exact either way), which interpret mode cannot show: a race between the in-flight wgmmas and the next
+# chunk, so it is refused there.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
 # column tile, K split) round-robin with one ring across them, instead of one CTA per unit (H200, c51141d: MoE
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
@@ -121,6 +125,7 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # Measured and removed: "contig", each word tile read as one contiguous 8 KiB run (a tile-major format's DRAM
 # pattern): no faster (NOTES v11).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "nox", "nosz")
+OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056)
 
 
@@ -854,6 +859,13 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   if keep_splits and (gated or weighted):
     raise ValueError("grouped_matmul: keep_splits returns unweighted partial sums of a plain (not gated) matmul.")
   num_ctas = 0
+  overlap = cfg["overlap"]
+  if overlap is None:
+    overlap = block_m <= OVERLAP_MAX_BLOCK_M
+  elif overlap and block_m > OVERLAP_MAX_BLOCK_M:
+    raise ValueError(f"w4a16 mosaic_sm90: overlap=True at block_m {block_m} gives wrong results on the GPU (measured "
+                     f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}. Leave overlap unset (None) "
+                     f"or pass overlap=False.")
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
   stream_k = bool(cfg["stream_k"]) and num_ctas > 0 and not gated and busy_blocks == nb and not keep_splits
@@ -898,7 +910,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=bool(cfg["overlap"]), num_ctas=num_ctas, interpret=bool(interpret),
+                      overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
                       stream_k=slots if stream_k else 0)

@@ -1,0 +1,55 @@
+"""w4a16 kernels on a real GPU (marked `gpu`; skipped without one): the races and register hazards interpret mode
+cannot show. Dense matmuls at every row-block size the backends pick (8 / 16 / 32 / 64 rows, one and several
+blocks) and MoE calls from decode-sized to prefill-sized (block_m 64), each against the float64 reference on
+fresh random AWQ weights. Run on the device with `python -m pytest -m gpu tests/test_gpu_w4a16.py`."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.w4a16 import api
+from pallas_kernels.w4a16 import layout
+from test_w4a16 import deq64, make_moe, max_rel, rand_awq, to_device
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")]
+
+
+def _backends():
+  cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
+  return ["triton"] + (["mosaic_sm90"] if cc >= 9.0 else [])
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 128, 200])
+def test_dense_vs_float64(backend, m):
+  rng = np.random.default_rng(1000 + m)
+  k, n, g = 2048, 1536, 64
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  y = np.asarray(api.w4a16_matmul(x, w, backend=backend), np.float64)
+  assert y.shape == (m, n) and np.isfinite(y).all()
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("t", [1, 16, 64, 512])
+def test_moe_vs_float64(backend, t):
+  """E = 16, top-2: 512 tokens average 64 rows per expert (block_m 64, as a prefill)."""
+  rng = np.random.default_rng(2000 + t)
+  e, d, i, g, k = 16, 1024, 512, 64, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+  y = np.asarray(api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend=backend), np.float64)
+  assert np.isfinite(y).all()
+  xd = np.asarray(x, np.float64)
+  ref = np.zeros((t, d))
+  for ex in range(e):                               # the float64 reference, one dequantization per expert
+    tok, slot = np.nonzero(ids == ex)
+    if len(tok):
+      gg, uu = (xd[tok] @ deq64(*[a[ex] for a in ws], g) for ws in (gate, up))
+      ref[tok] += wts[tok, slot, None] * ((gg / (1 + np.exp(-gg)) * uu) @ deq64(*[a[ex] for a in down], g))
+  assert max_rel(y, ref) < 1.5e-2

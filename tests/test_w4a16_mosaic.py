@@ -480,6 +480,17 @@ def test_overlap_only_up_to_32_row_blocks(monkeypatch):
   assert seen[-1] == (16, False)
 
 
+def test_dense_runs_stream_k_unless_splits_are_given(monkeypatch):
+  seen = []
+  real = ms._kernel_call
+  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: seen.append((kw["stream_k"], kw["splits"])) or real(**kw))
+  w = layout.random_weight(jax.random.PRNGKey(0), (), 1024, 256, 64)
+  x = jax.ShapeDtypeStruct((5, 1024), jnp.bfloat16)
+  for cfg in ({}, dict(splits=2), dict(stream_k=False, splits=None), dict(persistent=False)):
+    jax.eval_shape(lambda x: ms.matmul(x, w, config=cfg), x)
+  assert seen[0][0] > 0 and seen[1] == (0, 2) and seen[2][0] == 0 and seen[3][0] == 0
+
+
 def test_unit_scales_need_equal_units():
   with pytest.raises(ValueError, match="unit_scales"):
     ms._kernel_call(num_blocks=1, block_m=8, tiles=1, splits=2, chunks_per_split=2, n_chunks=3, group=64, n_pad=128,

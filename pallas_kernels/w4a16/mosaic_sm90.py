@@ -109,7 +109,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # equal run of the units' chunks laid end to end (routing.stream_k_plan), so it is never more than one chunk above
 # the mean and crosses at most a few unit boundaries (each costs an epilogue and breaks the decode/wgmma overlap);
 # the partials of a unit's segments are summed by XLA. K splits instead give 7168x18432 at M = 1 1,008 units of 4
-# chunks: the busiest CTA runs 8 units = 32 chunks against a mean of 30.5. Opt-in: not yet measured on a GPU.
+# chunks: the busiest CTA runs 8 units = 32 chunks against a mean of 30.5. On for dense (DENSE_CONFIG): H200,
+# 6dee080, device µs, K splits -> stream-K: 7168x18432 M = 1 / 16 31.3 / 34.7 -> 30.7 / 32.4, 18432x7168 31.7 /
+# 34.2 -> 31.5 / 32.2.
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -126,7 +128,7 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # pattern): no faster (NOTES v11).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
-DENSE_CONFIG = dict(target_programs=1056)
+DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
 
 
 MOE_TARGET_PROGRAMS = 132   # one CTA per SM: K splits only where the blocks' column tiles are fewer than that
@@ -868,7 +870,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                      f"or pass overlap=False.")
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
-  stream_k = bool(cfg["stream_k"]) and num_ctas > 0 and not gated and busy_blocks == nb and not keep_splits
+  # explicit K splits take precedence over stream-K
+  stream_k = (bool(cfg["stream_k"]) and not cfg.get("splits") and num_ctas > 0 and not gated and busy_blocks == nb
+              and not keep_splits)
   if stream_k:
     splits = 1
     _, slots, valid = routing.stream_k_plan(nb * tiles, n_chunks, num_ctas)

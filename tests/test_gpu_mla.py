@@ -1,0 +1,40 @@
+"""MLA decode kernels on a real GPU (marked `gpu`; skipped without one): what interpret mode cannot show (races
+between the TMA ring, the warpgroups and the wgmmas; register hazards; the compiled inline PTX). Every GPU backend
+through the public api.mla_decode, on NaN-poisoned caches, zero / odd / page-boundary / multi-page lengths,
+against the float64 reference on the dequantized cache with docs/architecture.md §3's tolerances (the bound for
+kernels that round P to bf16, which the Hopper kernels may do). Run on the device with
+`python -m pytest -m gpu tests/test_gpu_mla.py`."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import api
+from pallas_kernels.mla_decode.reference import mla_decode_numpy
+from pallas_kernels.testing import compare, random_problem
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")]
+SCALE = 192 ** -0.5
+LENS = [0, 1, 63, 64, 65, 777, 4097]
+
+
+def _backends():
+  cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
+  return ["triton"] + (["mosaic_sm90"] if cc >= 9.0 else [])
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,sq,causal", [(16, 1, False), (128, 1, False), (16, 2, True), (128, 2, True)])
+def test_mla_decode_vs_float64(backend, dtype, heads, sq, causal):
+  q, cache, table, lens = random_problem(heads + sq + len(dtype), lens=LENS, sq=sq, heads=heads, dtype=dtype)
+  out, lse = jax.jit(lambda q, c, t, n: api.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal,
+                                                       backend=backend))(q, cache, table, lens)
+  lat, rope = cache.dequantize()
+  ref_out, ref_lse, ref_abs = mla_decode_numpy(np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope),
+                                               np.asarray(table), np.asarray(lens), softmax_scale=SCALE,
+                                               causal=causal, page_size=64, return_abs=True)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+  assert out.dtype == jnp.bfloat16 and out.shape == (len(LENS), sq, heads, 512)

@@ -179,14 +179,28 @@ def test_routing_blocks():
   assert (w[tok < 0] == 0).all()
 
 
+def test_max_blocks_is_the_most_any_routing_needs():
+  rng = np.random.default_rng(5)
+  for p, e, bm in [(128, 256, 8), (512, 256, 8), (24, 4, 16), (7, 3, 2), (1, 256, 8), (40, 40, 1), (2048, 256, 64)]:
+    bound = routing.max_blocks(p, e, bm)
+    # the worst case: as many one-pair experts as possible, the other pairs in steps of block_m on top of them
+    u = min(e, p)
+    worst = np.ones(u, int)
+    worst[0] += p - u
+    assert sum(-(-c // bm) for c in worst) == bound                 # reached: no smaller static bound exists
+    for _ in range(200):                           # random routings never need more
+      counts = np.bincount(rng.integers(0, rng.integers(1, e + 1), p), minlength=e)
+      assert sum(-(-c // bm) for c in counts) <= bound
+
+
 @pytest.mark.parametrize("block_m", [1, 8])
 def test_routing_one_token(block_m):
   # one token: a block per kept pair in k order; out-of-range ids dropped, a repeated expert gets two blocks
-  ids = jnp.asarray([[2, -1, 2, 7, 0]], jnp.int32)                  # E = 4: -1 and 7 dropped
+  ids = jnp.asarray([[2, -1, 2, 7, 0]], jnp.int32)                  # E = 5: -1 and 7 dropped
   wts = jnp.asarray([[0.5, 0.25, 0.125, 2.0, 1.5]], jnp.float32)
-  rt = routing.align(ids, wts, 4, block_m)
+  rt = routing.align(ids, wts, 5, block_m)
   be = np.asarray(rt.block_expert)
-  assert be.shape[0] == routing.max_blocks(5, 4, block_m)
+  assert be.shape[0] == routing.max_blocks(5, 5, block_m) == 5     # a block per pair fits (E >= K)
   np.testing.assert_array_equal(be[:3], [2, 2, 0])
   assert (be[3:] == -1).all()
   np.testing.assert_array_equal(np.asarray(rt.pair_row), [[0, -1, block_m, -1, 2 * block_m]])

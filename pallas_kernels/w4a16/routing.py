@@ -2,8 +2,9 @@
 
 The T*K pairs of a top-K routing are sorted by expert (stable, so a token's order is kept) and each expert's run
 is padded to a whole number of `block_m`-row blocks; a kernel program handles one block, i.e. one expert and at
-most block_m of its tokens. The number of blocks is bounded statically by ceil(P / block_m) + min(E, P) for
-P = T*K pairs (each used expert wastes less than one block), so shapes never depend on the routing; blocks past
+most block_m of its tokens. The number of blocks is bounded statically by floor((P + (block_m - 1) U) / block_m)
+for P = T*K pairs and U = min(E, P) experts that can be used (an expert with c pairs has ceil(c / block_m) <=
+(c + block_m - 1) / block_m blocks; the bound is reached), so shapes never depend on the routing; blocks past
 the ones in use carry expert -1 and their programs return at once. Experts with no token get no block, so their
 weights are never read.
 
@@ -38,7 +39,10 @@ class Routing:
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-  return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+  """The most blocks any routing of num_pairs pairs over num_experts experts needs (module docstring). It sizes
+  every [NB * block_m] array of the MoE (the gathered x rows, the kernels' outputs): at T = 16 / 64, top-8 of
+  256, 8-row blocks, 128 / 288 blocks where ceil(P / block_m) + min(E, P) gave 144 / 320."""
+  return (num_pairs + (block_m - 1) * min(num_experts, num_pairs)) // block_m
 
 
 PAIRWISE_RANK_MAX_PAIRS = 4096

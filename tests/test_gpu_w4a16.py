@@ -33,17 +33,24 @@ def test_dense_vs_float64(backend, m):
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
 
 
-@pytest.mark.parametrize("backend", _backends())
+def _moe_cases():
+  return _backends() + (["mosaic_sm90+gather_kernel"] if "mosaic_sm90" in _backends() else [])
+
+
+@pytest.mark.parametrize("backend", _moe_cases())
 @pytest.mark.parametrize("t", [1, 16, 64, 512])
 def test_moe_vs_float64(backend, t):
-  """E = 16, top-2: 512 tokens average 64 rows per expert (block_m 64, as a prefill)."""
+  """E = 16, top-2: 512 tokens average 64 rows per expert (block_m 64, as a prefill). "+gather_kernel": the
+  opt-in row gather that writes only valid rows (gather_sm90)."""
   rng = np.random.default_rng(2000 + t)
   e, d, i, g, k = 16, 1024, 512, 64, 2
   gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
   ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
-  y = np.asarray(api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend=backend), np.float64)
+  name, _, option = backend.partition("+")
+  y = np.asarray(api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend=name,
+                               config={option: True} if option else None), np.float64)
   assert np.isfinite(y).all()
   xd = np.asarray(x, np.float64)
   ref = np.zeros((t, d))

@@ -17,7 +17,7 @@ import pytest
 import jax.experimental.mosaic.gpu as mgpu
 from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401  (registers the CUDA lowering)
 
-from pallas_kernels.w4a16 import api, layout, mosaic_sm90 as ms, routing
+from pallas_kernels.w4a16 import api, gather_sm90, layout, mosaic_sm90 as ms, routing
 from test_w4a16 import deq64, make_moe, max_rel, moe_ref64, poison_from, rand_awq, to_device
 
 
@@ -535,6 +535,44 @@ def test_fold_fma_moe_vs_float64_and_lowering():
     assert "wgmma" in text
   with pytest.raises(ValueError, match="convert_in_producer"):
     ms.matmul(jnp.zeros((6, 512), jnp.bfloat16), first_expert(w13), config=dict(fold="fma"), interpret=True)
+
+
+@pytest.mark.parametrize("cfg", [{}, dict(convert_in_producer=True, fold="fma")])
+def test_gather_kernel_gives_the_same_bits(cfg):
+  """gather_kernel: x rows (and the fma fold's X rows) put in block order by gather_sm90, valid rows only (the
+  padding rows stay NaN in interpret mode): the MoE's output bits are those of the XLA gather's zero padding rows,
+  on 8-row blocks with several tokens per expert and an expert with none."""
+  rng = np.random.default_rng(61)
+  e, d, i, g, t, k = 5, 512, 128, 64, 9, 2
+  gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
+  ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(t)]).astype(np.int32)
+  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+  wts = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
+  run = lambda gk: np.asarray(api.w4a16_moe(x, jnp.asarray(ids), wts, w13, w2, backend="mosaic_sm90",
+                                            interpret=True, block_m=8,
+                                            config=dict(cfg, num_ctas=2, gather_kernel=gk)), np.float32)
+  got, want = run(True), run(False)
+  assert np.isfinite(got).all()
+  np.testing.assert_array_equal(got, want)
+  assert max_rel(got, moe_ref64(x, ids, np.asarray(wts), gate, up, down, g)) < 1.5e-2
+
+
+def test_gather_rows_writes_only_valid_rows_and_lowers():
+  rng = np.random.default_rng(62)
+  x = jnp.asarray(rng.standard_normal((5, 768)), jnp.bfloat16)
+  xs = jnp.asarray(rng.standard_normal((5, 48)), jnp.bfloat16)
+  tok = np.array([3, -1, 0, 4, -1, -1, 2, 2], np.int32)
+  a, b = (np.asarray(o, np.float32) for o in gather_sm90.gather_rows([x, xs], jnp.asarray(tok), interpret=True))
+  valid = tok >= 0
+  np.testing.assert_array_equal(a[valid], np.asarray(x, np.float32)[tok[valid]])
+  np.testing.assert_array_equal(b[valid], np.asarray(xs, np.float32)[tok[valid]])
+  assert np.isnan(a[~valid]).all() and np.isnan(b[~valid]).all()            # never written (interpret: NaN)
+  text = lower_for_cuda(lambda x, xs, t: gather_sm90.gather_rows([x, xs], t), jax.ShapeDtypeStruct((16, 7168),
+                        jnp.bfloat16), jax.ShapeDtypeStruct((16, 448), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((1024,), jnp.int32))
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="multiple of 16 bytes"):
+    gather_sm90.gather_rows([jnp.zeros((2, 12), jnp.bfloat16)], jnp.zeros((4,), jnp.int32), interpret=True)
 
 
 def test_moe_defaults_rule():

@@ -55,7 +55,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import gpu_interpret
-from pallas_kernels.w4a16 import layout, routing
+from pallas_kernels.w4a16 import gather_sm90, layout, routing
 
 SUB_N = 64                  # weight columns per consumer warpgroup (wgmma M)
 NUM_CONSUMERS = 2
@@ -68,7 +68,7 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=True, stream_k=False)
+                      unit_scales=True, stream_k=False, gather_kernel=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
@@ -112,6 +112,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # chunks: the busiest CTA runs 8 units = 32 chunks against a mean of 30.5. On for dense (DENSE_CONFIG): H200,
 # 6dee080, device µs, K splits -> stream-K: 7168x18432 M = 1 / 16 31.3 / 34.7 -> 30.7 / 32.4, 18432x7168 31.7 /
 # 34.2 -> 31.5 / 32.2.
+# gather_kernel: x rows (and the fma fold's X) put in block order by gather_sm90, which writes only the valid rows,
+# instead of an XLA gather of all NB * block_m rows (T = 16 / 64, top-8, 8-row blocks: 128 / 512 of 1,024 / 2,304
+# rows; the XLA gather took 10.9 / 22.8 µs at 6dee080's 144 / 320 blocks on an H200). Opt-in: not yet measured.
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -838,7 +841,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
   padding rows and the rows of unused blocks are garbage (never written); a block's valid rows (row_token >= 0)
   must be a prefix of it, as routing.align and dense_blocks make them. x rows are gathered (and K-padded) by XLA
-  into block order first, unless x_in_block_order: x is already [NB*block_m, >= K] in block order (the first
+  into block order first (or, with gather_kernel, only the valid rows by gather_sm90), unless x_in_block_order (row_token then only marks the valid rows: any value >= 0 for
+  a valid row): x is already [NB*block_m, >= K] in block order (the first
   grouped matmul's output, garbage in its padding rows: a token is one wgmma column, so a padding row's values
   reach only that row's output), and the kernel reads it where it is. `weighted`
   multiplies the rows by row_weight after the kernel. keep_splits (not gated, not weighted): the K splits are
@@ -897,17 +901,22 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   # units ahead (the producer's own conversion frees it sooner)
   unit_scales = (bool(cfg["unit_scales"]) and not stream_k and n_chunks % cps == 0 and (convert or cps >= stages)
                  and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc) <= SMEM_LIMIT)
+  extra = ()
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
       xb = jnp.pad(xb[:, :w.k], ((0, 0), (0, w.k_pad - w.k)))
+    if fma:
+      extra = (group_sums(xb, w.group_size),)
+  elif cfg["gather_kernel"]:
+    # only the valid rows written (gather_sm90), the correction's X rows in the same call
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, w.k_pad - x.shape[1])))
+    xb, *extra = gather_sm90.gather_rows([xp] + ([group_sums(xp, w.group_size)] if fma else []), row_token,
+                                         interpret=interpret)
+    extra = tuple(extra)
   else:
     xb = block_rows(x, row_token, w.k_pad)
-  extra = ()
-  if fma:     # the correction's X: from the token rows (gathered after: T rows, not NB * block_m), or in place
-    if x_in_block_order:
-      extra = (group_sums(xb, w.group_size),)
-    else:
+    if fma:   # the correction's X: from the token rows (gathered after: T rows, not NB * block_m)
       xs = group_sums(jnp.pad(x, ((0, 0), (0, w.k_pad - x.shape[1]))), w.group_size)
       extra = (jnp.where((row_token >= 0)[:, None], jnp.take(xs, jnp.maximum(row_token, 0), axis=0), 0),)
   call = _kernel_call(num_blocks=nb, block_m=block_m, tiles=tiles, splits=splits, chunks_per_split=cps,
@@ -956,7 +965,9 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   # H200 for the copy this replaces)
   # its K splits balance the grid (T = 1: 8 blocks x 56 tiles of 8 chunks run as 2 x 4 chunks) and are summed
   # in the combine's gather
-  y = grouped_matmul(h, w2, routing_.block_expert, routing.in_place_rows(routing_), routing_.row_weight,
+  # with x in block order row_token only marks the valid rows: the gate|up call's own, so XLA computes the
+  # kernels' counts array once (one ~1 µs kernel fewer per MoE call)
+  y = grouped_matmul(h, w2, routing_.block_expert, routing_.row_token, routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
                      interpret=interpret, config={**moe_config(w2.group_size, x.shape[0]), **(config or {})},
                      x_in_block_order=True, keep_splits=True)

@@ -841,11 +841,11 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
   padding rows and the rows of unused blocks are garbage (never written); a block's valid rows (row_token >= 0)
   must be a prefix of it, as routing.align and dense_blocks make them. x rows are gathered (and K-padded) by XLA
-  into block order first (or, with gather_kernel, only the valid rows by gather_sm90), unless x_in_block_order (row_token then only marks the valid rows: any value >= 0 for
-  a valid row): x is already [NB*block_m, >= K] in block order (the first
-  grouped matmul's output, garbage in its padding rows: a token is one wgmma column, so a padding row's values
-  reach only that row's output), and the kernel reads it where it is. `weighted`
-  multiplies the rows by row_weight after the kernel. keep_splits (not gated, not weighted): the K splits are
+  into block order first (or, with gather_kernel, only the valid rows by gather_sm90), unless x_in_block_order:
+  x is already [NB*block_m, >= K] in block order (the first grouped matmul's output, garbage in its padding rows:
+  a token is one wgmma column, so a padding row's values reach only that row's output), the kernel reads it where
+  it is, and row_token only marks the valid rows (any value >= 0). `weighted` multiplies the rows by row_weight
+  after the kernel. keep_splits (not gated, not weighted): the K splits are
   chosen to balance the persistent grid (routing.balanced_k_splits) and, where there are several, returned as
   float32 partials [S, NB*block_m, N_pad] for the caller to sum (routing.combine does it in its gather)."""
   cfg = dict(DEFAULT_CONFIG, **(config or {}))

@@ -94,8 +94,9 @@ def test_unknown_config_key_is_refused():
     ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(num_warps=8), interpret=True)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_moe_lowers_for_sm90(persistent):
+@pytest.mark.parametrize("persistent,extra", [(False, {}), (True, {}),
+                                              (True, dict(gather_kernel=True, convert_in_producer=True, fold="fma"))])
+def test_moe_lowers_for_sm90(persistent, extra):
   rng = np.random.default_rng(5)
   *_, w13, w2 = make_moe(rng, 4, 512, 128, 64)
   x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
@@ -103,9 +104,10 @@ def test_moe_lowers_for_sm90(persistent):
   wts = jax.ShapeDtypeStruct((5, 2), jnp.float32)
   # the backend module directly (the api's rule refuses mosaic_sm90 on a CPU without interpret mode)
   fn = lambda x, i, t, a, b: ms.moe(x, routing.align(i, t, 4, 16), a, b, busy_blocks=8,
-                                    config=dict(persistent=persistent, num_ctas=132))
+                                    config=dict(extra, persistent=persistent, num_ctas=132))
   text = lower_for_cuda(fn, x, ids, wts, w13, w2)
-  assert text.count("mosaic_gpu") >= 2 and "wgmma" in text
+  # the two grouped kernels (and with gather_kernel the two row-copy kernels: x and X, the down projection's X)
+  assert text.count("custom_call @mosaic_gpu") == (4 if extra else 2) and "wgmma" in text
 
 
 @pytest.mark.parametrize("m,k,n,g,splits,overlap,persistent,planes",
@@ -539,13 +541,15 @@ def test_fold_fma_moe_vs_float64_and_lowering():
 
 @pytest.mark.parametrize("cfg", [{}, dict(convert_in_producer=True, fold="fma")])
 def test_gather_kernel_gives_the_same_bits(cfg):
-  """gather_kernel: x rows (and the fma fold's X rows) put in block order by gather_sm90, valid rows only (the
-  padding rows stay NaN in interpret mode): the MoE's output bits are those of the XLA gather's zero padding rows,
-  on 8-row blocks with several tokens per expert and an expert with none."""
+  """gather_kernel: x rows (and the fma fold's X rows; the down projection's X sums of the valid rows) put in
+  block order by gather_sm90's copies, one per (token, expert) pair (the padding rows stay NaN in interpret mode):
+  the MoE's output bits are those of the XLA path, on 8-row blocks with several tokens per expert, an expert with
+  none and a dropped pair."""
   rng = np.random.default_rng(61)
   e, d, i, g, t, k = 5, 512, 128, 64, 9, 2
   gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
   ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(t)]).astype(np.int32)
+  ids[2, 1] = -1                                                            # a dropped pair: nothing copied
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
   run = lambda gk: np.asarray(api.w4a16_moe(x, jnp.asarray(ids), wts, w13, w2, backend="mosaic_sm90",

@@ -114,7 +114,8 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # 34.2 -> 31.5 / 32.2.
 # gather_kernel: x rows (and the fma fold's X) put in block order by gather_sm90, which writes only the valid rows,
 # instead of an XLA gather of all NB * block_m rows (T = 16 / 64, top-8, 8-row blocks: 128 / 512 of 1,024 / 2,304
-# rows; the XLA gather took 10.9 / 22.8 µs at 6dee080's 144 / 320 blocks on an H200). Opt-in: not yet measured.
+# rows; the XLA gather took 10.9 / 22.8 µs at 6dee080's 144 / 320 blocks on an H200); in the MoE's down projection
+# the fma fold's X is summed over the valid rows only (8.8 / 13.4 µs over all rows). Opt-in: not yet measured.
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -837,7 +838,8 @@ def block_rows(x: jax.Array, row_token: jax.Array, k_pad: int) -> jax.Array:
 def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array, row_token: jax.Array,
                    row_weight: jax.Array, *, block_m: int, gated: bool, weighted: bool, out_dtype,
                    busy_blocks: int, interpret: bool = False, config: dict | None = None,
-                   x_in_block_order: bool = False, keep_splits: bool = False) -> jax.Array:
+                   x_in_block_order: bool = False, keep_splits: bool = False,
+                   pair_row: jax.Array | None = None) -> jax.Array:
   """triton.grouped_matmul's contract on the Hopper kernel: rows [NB*block_m, N_out] (N_out = N_pad/2 gated);
   padding rows and the rows of unused blocks are garbage (never written); a block's valid rows (row_token >= 0)
   must be a prefix of it, as routing.align and dense_blocks make them. x rows are gathered (and K-padded) by XLA
@@ -847,7 +849,9 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   it is, and row_token only marks the valid rows (any value >= 0). `weighted` multiplies the rows by row_weight
   after the kernel. keep_splits (not gated, not weighted): the K splits are
   chosen to balance the persistent grid (routing.balanced_k_splits) and, where there are several, returned as
-  float32 partials [S, NB*block_m, N_pad] for the caller to sum (routing.combine does it in its gather)."""
+  float32 partials [S, NB*block_m, N_pad] for the caller to sum (routing.combine does it in its gather).
+  pair_row (Routing.pair_row [T, K]), with gather_kernel: the rows are copied one per (token, expert) pair, and
+  with x in block order the fma fold's X is summed over the valid rows only."""
   cfg = dict(DEFAULT_CONFIG, **(config or {}))
   unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
   if unknown:
@@ -906,13 +910,25 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
     xb = x.astype(jnp.bfloat16)
     if not xb.shape[1] == w.k == w.k_pad:            # zero K padding (never trust columns past K)
       xb = jnp.pad(xb[:, :w.k], ((0, 0), (0, w.k_pad - w.k)))
-    if fma:
+    if fma and cfg["gather_kernel"] and pair_row is not None:
+      # the valid rows' sums only ([P, ...], not NB * block_m rows), copied to their rows
+      dst = pair_row.reshape(-1)
+      sums = group_sums(jnp.take(xb, jnp.maximum(dst, 0), axis=0), w.group_size)
+      extra = tuple(gather_sm90.copy_rows([sums], jnp.arange(dst.shape[0], dtype=jnp.int32), dst, nb * block_m,
+                                          interpret=interpret))
+    elif fma:
       extra = (group_sums(xb, w.group_size),)
   elif cfg["gather_kernel"]:
-    # only the valid rows written (gather_sm90), the correction's X rows in the same call
+    # only the valid rows written (gather_sm90), the correction's X rows in the same call: one copy per (token,
+    # expert) pair where the pairs are known, else one per row
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, 0), (0, w.k_pad - x.shape[1])))
-    xb, *extra = gather_sm90.gather_rows([xp] + ([group_sums(xp, w.group_size)] if fma else []), row_token,
-                                         interpret=interpret)
+    arrays = [xp] + ([group_sums(xp, w.group_size)] if fma else [])
+    if pair_row is not None:
+      t, k = pair_row.shape
+      xb, *extra = gather_sm90.copy_rows(arrays, jnp.arange(t * k, dtype=jnp.int32) // k, pair_row.reshape(-1),
+                                         nb * block_m, interpret=interpret)
+    else:
+      xb, *extra = gather_sm90.gather_rows(arrays, row_token, interpret=interpret)
     extra = tuple(extra)
   else:
     xb = block_rows(x, row_token, w.k_pad)
@@ -960,7 +976,7 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   bm = routing_.block_m
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
-                     config={**moe_config(w13.group_size, x.shape[0]), **(config or {})})
+                     config={**moe_config(w13.group_size, x.shape[0]), **(config or {})}, pair_row=routing_.pair_row)
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
   # its K splits balance the grid (T = 1: 8 blocks x 56 tiles of 8 chunks run as 2 x 4 chunks) and are summed
@@ -970,5 +986,5 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   y = grouped_matmul(h, w2, routing_.block_expert, routing_.row_token, routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
                      interpret=interpret, config={**moe_config(w2.group_size, x.shape[0]), **(config or {})},
-                     x_in_block_order=True, keep_splits=True)
+                     x_in_block_order=True, keep_splits=True, pair_row=routing_.pair_row)
   return routing.combine(y[..., :w2.n], routing_, apply_weights=True)

@@ -577,6 +577,8 @@ def test_gather_rows_writes_only_valid_rows_and_lowers():
   assert "mosaic_gpu" in text
   with pytest.raises(ValueError, match="multiple of 16 bytes"):
     gather_sm90.gather_rows([jnp.zeros((2, 12), jnp.bfloat16)], jnp.zeros((4,), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="TMA box"):
+    gather_sm90.gather_rows([jnp.zeros((2, 256 * 264), jnp.bfloat16)], jnp.zeros((4,), jnp.int32), interpret=True)
 
 
 def test_moe_defaults_rule():

@@ -24,11 +24,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
+SMEM_BYTES = 227 * 1024
+
+
 def _box_width(cols: int, itemsize: int) -> int:
   for w in (256, 128, 64, 32, 16, 8):
     if cols % w == 0 and w * itemsize >= 16:
+      if cols // w > 256:
+        raise ValueError(f"copy_rows: {cols} columns are more than a TMA box holds (256 x {w}).")
       return w
-  raise ValueError(f"gather_rows: {cols} columns of {itemsize}-byte elements are not a multiple of 16 bytes.")
+  raise ValueError(f"copy_rows: {cols} columns of {itemsize}-byte elements are not a multiple of 16 bytes.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,6 +78,9 @@ def copy_rows(arrays, src_row: jax.Array, dst_row: jax.Array, out_rows: int, *,
     raise ValueError("copy_rows: give one or more 2-D arrays with the same number of rows.")
   if src_row.shape != dst_row.shape or src_row.ndim != 1:
     raise ValueError(f"copy_rows: src_row {src_row.shape} and dst_row {dst_row.shape} must be one 1-D shape.")
+  if sum(a.shape[1] * a.dtype.itemsize for a in arrays) > SMEM_BYTES:
+    raise ValueError(f"copy_rows: one row of every array ({[a.shape[1] for a in arrays]} columns) must fit in "
+                     f"{SMEM_BYTES} bytes of shared memory.")
   call = _copy_call(int(src_row.shape[0]), int(out_rows), tuple(a.shape for a in arrays),
                     tuple(a.dtype for a in arrays), bool(interpret))
   return call(src_row.astype(jnp.int32), dst_row.astype(jnp.int32), *arrays)

@@ -12,6 +12,7 @@ import pytest
 from pallas_kernels.mla_decode import api
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 from pallas_kernels.testing import compare, random_problem
+from test_gpu_w4a16 import gpu_backends
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")]
@@ -19,12 +20,7 @@ SCALE = 192 ** -0.5
 LENS = [0, 1, 63, 64, 65, 777, 4097]
 
 
-def _backends():
-  cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
-  return ["triton"] + (["mosaic_sm90"] if cc >= 9.0 else [])
-
-
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", gpu_backends())
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal", [(16, 1, False), (128, 1, False), (16, 2, True), (128, 2, True)])
 def test_mla_decode_vs_float64(backend, dtype, heads, sq, causal):

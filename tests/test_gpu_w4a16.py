@@ -7,20 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.w4a16 import api
-from pallas_kernels.w4a16 import layout
+from pallas_kernels.w4a16 import api, layout
 from test_w4a16 import deq64, make_moe, max_rel, rand_awq, to_device
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")]
 
 
-def _backends():
+def gpu_backends():
+  """The kernel backends this GPU runs: triton everywhere, mosaic_sm90 from Hopper (compute capability 9.0) on."""
   cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
   return ["triton"] + (["mosaic_sm90"] if cc >= 9.0 else [])
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", gpu_backends())
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33, 64, 128, 200])
 def test_dense_vs_float64(backend, m):
   rng = np.random.default_rng(1000 + m)
@@ -34,7 +34,7 @@ def test_dense_vs_float64(backend, m):
 
 
 def _moe_cases():
-  return _backends() + (["mosaic_sm90+gather_kernel"] if "mosaic_sm90" in _backends() else [])
+  return gpu_backends() + (["mosaic_sm90+gather_kernel"] if "mosaic_sm90" in gpu_backends() else [])
 
 
 @pytest.mark.parametrize("backend", _moe_cases())

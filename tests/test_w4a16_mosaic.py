@@ -469,27 +469,28 @@ def test_padding_rows_are_never_written():
 def test_overlap_only_up_to_32_row_blocks(monkeypatch):
   """overlap (chunk i's wgmmas in flight while chunk i + 1 decodes) gave wrong outputs at block_m 64 on an H200:
   unset it runs only up to OVERLAP_MAX_BLOCK_M rows per block, and asking for it on larger blocks is refused."""
-  seen = []
-  real = ms._kernel_call
-  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: seen.append((kw["block_m"], kw["overlap"])) or real(**kw))
+  block_ms = _record_kernel_args(monkeypatch, "block_m")
+  overlaps = _record_kernel_args(monkeypatch, "overlap")
   w = layout.random_weight(jax.random.PRNGKey(0), (), 512, 128, 64)
   for m in (16, 32, 33, 64, 128):
     jax.eval_shape(lambda x: ms.matmul(x, w), jax.ShapeDtypeStruct((m, 512), jnp.bfloat16))
+  seen = list(zip(block_ms, overlaps))
   assert seen == [(16, True), (32, True), (64, False), (64, False), (64, False)]
   with pytest.raises(ValueError, match="overlap=True at block_m 64"):
     jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=True)), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16))
   jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=False)), jax.ShapeDtypeStruct((16, 512), jnp.bfloat16))
+  seen = list(zip(block_ms, overlaps))
   assert seen[-1] == (16, False)
 
 
 def test_dense_runs_stream_k_unless_splits_are_given(monkeypatch):
-  seen = []
-  real = ms._kernel_call
-  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: seen.append((kw["stream_k"], kw["splits"])) or real(**kw))
+  stream_k = _record_kernel_args(monkeypatch, "stream_k")
+  splits = _record_kernel_args(monkeypatch, "splits")
   w = layout.random_weight(jax.random.PRNGKey(0), (), 1024, 256, 64)
   x = jax.ShapeDtypeStruct((5, 1024), jnp.bfloat16)
   for cfg in ({}, dict(splits=2), dict(stream_k=False, splits=None), dict(persistent=False)):
     jax.eval_shape(lambda x: ms.matmul(x, w, config=cfg), x)
+  seen = list(zip(stream_k, splits))
   assert seen[0][0] > 0 and seen[1] == (0, 2) and seen[2][0] == 0 and seen[3][0] == 0
 
 

@@ -39,8 +39,8 @@ def _box_width(cols: int, itemsize: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _copy_call(copies: int, out_rows: int, shapes: tuple, dtypes: tuple, interpret: bool):
   n = len(shapes)
-  boxes = [(1, c // _box_width(c, jnp.dtype(d).itemsize), _box_width(c, jnp.dtype(d).itemsize))
-           for (_, c), d in zip(shapes, dtypes)]
+  widths = [_box_width(c, jnp.dtype(d).itemsize) for (_, c), d in zip(shapes, dtypes)]
+  boxes = [(1, c // w, w) for (_, c), w in zip(shapes, widths)]
 
   def body(src_row_ref, dst_row_ref, *refs):
     srcs, dsts, bufs, loaded = refs[:n], refs[n:2 * n], refs[2 * n:3 * n], refs[3 * n]

@@ -115,7 +115,9 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # gather_kernel: x rows (and the fma fold's X) put in block order by gather_sm90, which writes only the valid rows,
 # instead of an XLA gather of all NB * block_m rows (T = 16 / 64, top-8, 8-row blocks: 128 / 512 of 1,024 / 2,304
 # rows; the XLA gather took 10.9 / 22.8 µs at 6dee080's 144 / 320 blocks on an H200); in the MoE's down projection
-# the fma fold's X is summed over the valid rows only (8.8 / 13.4 µs over all rows). Opt-in: not yet measured.
+# the fma fold's X is summed over the valid rows only (8.8 / 13.4 µs over all rows). On in moe_config from 16
+# tokens: H200, 89e4040, g64 / g128, device µs outside the two grouped kernels, XLA gather -> gather_kernel:
+# T = 16 36.9 / 35.0 -> 30.3 / 30.1, T = 64 59.2 / 58.8 -> 45.4 / 40.0; T = 1 9.1 / 9.4 -> 10.8 / 10.6 (off there).
 # ablate: timing diagnostics that remove one part of the work and so give WRONG outputs (scripts/bench_w4a16.py
 # --sweep only): "load_only" (consumers wait for each stage and release it, no decode or product), "compute_only"
 # (the producer arrives on the stage barriers without copying: the consumers run on stale SMEM), "fold" (no
@@ -144,11 +146,12 @@ def moe_config(group: int, tokens: int) -> dict:
   837 / 1,822 -> 820 / 1,772 µs (9845ab5); g128 T = 64 1,748 -> 1,742 (4d55308). Not below 16 tokens (T = 1:
   g64 +1%, g128 +3%) nor for dense linears (the extra group-sum pass: +5% at M = 1). At every size the K splits
   aim at one work unit per SM, not two: at T = 1 gate+up's 256 units then run unsplit, the SiLU product stays in
-  the kernel and the partial-sum pass goes (g64 / g128 85.2 / 82.1 -> 82.0 / 79.5 µs, bb1e757, NOTES v10)."""
+  the kernel and the partial-sum pass goes (g64 / g128 85.2 / 82.1 -> 82.0 / 79.5 µs, bb1e757, NOTES v10). From 16
+  tokens the rows are put in block order by gather_sm90 (gather_kernel; NOTES v13)."""
   if tokens < 16:
     return dict(target_programs=MOE_TARGET_PROGRAMS)
   return dict(target_programs=MOE_TARGET_PROGRAMS, convert_in_producer=True, fold="fma",
-              planes_per_wgmma=2 if group >= 2 * PLANE else 1)
+              planes_per_wgmma=2 if group >= 2 * PLANE else 1, gather_kernel=True)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
 # operand W^T [64, 32] (WGMMA layout: warp n // 16, lane 4 (n % 8) + (r % 8) // 2, register (r // 8, (n % 16) // 8),

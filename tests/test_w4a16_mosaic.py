@@ -62,8 +62,7 @@ def lower_for_cuda(f, *args):
 
 @pytest.mark.parametrize("m,g,splits,overlap,persistent", [(1, 64, 1, False, False), (7, 128, 2, False, False),
                                                            (64, 32, 1, False, False), (7, 32, 2, True, False),
-                                                           (16, 64, 1, True, False), (16, 64, 2, True, True),
-                                                           (64, 64, 1, "ahead", True), (16, 128, 1, "ahead", True)])
+                                                           (16, 64, 1, True, False), (16, 64, 2, True, True)])
 def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap, persistent):
   rng = np.random.default_rng(m)
   w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
@@ -120,10 +119,7 @@ def test_moe_lowers_for_sm90(persistent, extra):
                           (24, 1024, 320, 64, 2, True, True, 1), (72, 512, 320, 64, 2, False, True, 1),
                           (7, 512, 192, 128, 1, False, True, 1),
                           # planes_per_wgmma: two (g64) and four (g128) planes per wgmma operand
-                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4),
-                          # overlap "ahead": the next chunk decoded while this one's wgmmas run, any block size
-                          (72, 512, 320, 64, 2, "ahead", True, 1), (64, 256, 64, 32, 1, "ahead", False, 1),
-                          (7, 768, 128, 128, 3, "ahead", True, 4)])
+                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4)])
 def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
@@ -229,7 +225,7 @@ def test_backend_rules_for_mosaic():
 
 
 @pytest.mark.parametrize("splits,overlap,persistent", [(1, False, False), (2, False, False), (1, True, False),
-                                                       (1, True, True), (2, True, True), (2, "ahead", True)])
+                                                       (1, True, True), (2, True, True)])
 def test_moe_interpret_gated_k_split(splits, overlap, persistent):
   """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
   192 is not a multiple of the 128-column tile of the down projection."""
@@ -327,15 +323,6 @@ def small_moe_vs_float64(seed, config):
 def first_expert(stack):
   """Expert 0 of a stack as one weight."""
   return jax.tree.map(lambda a: a[0], stack)
-
-
-def test_overlap_ahead_moe_with_the_fma_fold_and_unit_scales():
-  """overlap 'ahead' (the next chunk's A operands decoded and carried while this chunk's wgmmas run) with the
-  MoE's full-size defaults: producer conversion, fma fold with its correction wgmma, row-copy kernel."""
-  err, _ = small_moe_vs_float64(12, dict(overlap="ahead", convert_in_producer=True, fold="fma", gather_kernel=True))
-  assert err < 1.5e-2
-  err, _ = small_moe_vs_float64(13, dict(overlap="ahead", unit_scales=True, num_stages=2, splits=1))
-  assert err < 1.5e-2
 
 
 def test_convert_in_producer_moe_and_lowering():

@@ -649,8 +649,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def decode_chunk(slot, uslot, idx):
-          """The chunk in ring slot `slot` (chunk idx of its unit) as wgmma A operands: [(q - z) s] per wgmma."""
+        def chunk_products(acc_ref, slot, uslot, idx):
+          if "load_only" in ablations:
+            return
           biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
           for gi in range(gpc):
             if "scales" in ablations and on_gpu:     # constant s and bias: no loads
@@ -690,10 +691,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               return _fma_gpu(ppw * PLANE)(a, scale, bias)
             return (a.astype(jnp.float32) * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(jnp.bfloat16)
 
-          return arrays if "fold" in ablations else [folded(i, a) for i, a in enumerate(arrays)]
-
-        def issue_products(acc_ref, weights, slot):
-          """acc += the chunk's products (one wgmma group per A operand, + the fma fold's correction)."""
+          weights = arrays if "fold" in ablations else [folded(i, a) for i, a in enumerate(arrays)]
           for i, a in enumerate(weights):
             xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))     # [32 ppw, bm]
             if on_gpu:
@@ -719,36 +717,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           if own_unit_sz:
             pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
 
-          def run_ahead(acc_ref):
-            # chunk i + 1 is decoded while chunk i's wgmmas run, and the loop carries its decoded A operands
-            # (plain registers) but never an accumulator with wgmmas in flight: each step ends with wgmma_wait(0)
-            def decode_at(i):
-              # past the unit's last chunk the slot is decoded without waiting (garbage, never issued)
-              g = first + i
-              slot = lax.rem(g, stages)
-              pl.when(i < n_steps)(lambda: plgpu.barrier_wait(loaded.at[slot]))
-              return decode_chunk(slot, uslot, jnp.minimum(i, jnp.maximum(n_steps - 1, 0)))
-
-            def step(i, weights):
-              slot = lax.rem(first + i, stages)
-              issue_products(acc_ref, weights, slot)
-              ahead = decode_at(i + 1)
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
-              return ahead
-
-            lax.fori_loop(0, n_steps, step, decode_at(jnp.int32(0)))
-            if own_unit_sz:
-              pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
-            return acc_ref[...]
-
           def run(acc_ref):
             def step(i, _):
               g = first + i
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(loaded.at[slot])
-              if "load_only" not in ablations:
-                issue_products(acc_ref, decode_chunk(slot, uslot, i), slot)
+              chunk_products(acc_ref, slot, uslot, i)
               if overlap:
                 # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
                 # wgmma group per plane), then hand its slot back
@@ -773,8 +747,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
             return acc_ref[...]
 
-          acc = pl.run_scoped(run_ahead if overlap == "ahead" else run,
-                              plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+          acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
           rows = pl.ds(b * block_m, block_m)
           col = column(p, w)
           if gate_in_kernel and w == 1:
@@ -902,9 +875,6 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   overlap = cfg["overlap"]
   if overlap is None:
     overlap = block_m <= OVERLAP_MAX_BLOCK_M
-  elif overlap == "ahead":
-    if cfg["ablate"] and "load_only" in cfg["ablate"]:
-      raise ValueError("w4a16 mosaic_sm90: overlap='ahead' has no load_only ablation; use overlap=False.")
   elif overlap and block_m > OVERLAP_MAX_BLOCK_M:
     raise ValueError(f"w4a16 mosaic_sm90: overlap=True at block_m {block_m} gives wrong results on the GPU (measured "
                      f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}. Leave overlap unset (None) "
@@ -972,7 +942,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=overlap if overlap == "ahead" else bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
+                      overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
                       stream_k=slots if stream_k else 0)

@@ -67,7 +67,7 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
+                      planes_per_wgmma=1, min_block_m=8, max_block_m=64, convert_in_producer=False, fold="sub_mul", ablate=None,
                       unit_scales=True, stream_k=False, gather_kernel=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
@@ -97,7 +97,9 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # them, TMA streams them with x). Needs convert_in_producer (the producer forms s, c and -e per stage).
 FOLDS = ("sub_mul", "fma")
 CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs of one chunk, zero-padded
-# min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
+# min_block_m / max_block_m: the smallest / largest row block of a dense matmul (matmul only; the MoE's block_m is
+# w4a16_moe's argument). max_block_m 32 runs M > 32 as several 32-row blocks with the decode/wgmma overlap (each
+# block decodes the same weights; stream-K's CTAs on the blocks' equal chunk runs read them at about the same time).
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # unit_scales: each work unit's scales and zeros arrive in one copy per array and consumer (its [chunks x groups,
 # 64] tiles) into one of two unit slots, instead of four small copies per 256-row chunk; where the units have
@@ -969,7 +971,8 @@ def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, conf
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 8 / 16 / 32 / 64 per block."""
   cfg = {**DENSE_CONFIG, **(config or {})}
   return routing.dense_matmul(grouped_matmul, x, w, config=cfg, interpret=interpret, out_dtype=out_dtype,
-                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])))
+                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])),
+                              max_block_m=int(cfg.get("max_block_m", DEFAULT_CONFIG["max_block_m"])))
 
 
 def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,

@@ -483,23 +483,6 @@ def test_overlap_only_up_to_32_row_blocks(monkeypatch):
   assert seen[-1] == (16, False)
 
 
-def test_max_block_m_runs_large_m_as_32_row_blocks_with_overlap(monkeypatch):
-  """max_block_m 32: M = 72 runs as three 32-row blocks with the overlap (stream-K over all of them) and matches
-  float64; the rule refuses block sizes the kernels do not have."""
-  block_ms = _record_kernel_args(monkeypatch, "block_m")
-  overlaps = _record_kernel_args(monkeypatch, "overlap")
-  rng = np.random.default_rng(72)
-  q, z, s = rand_awq(rng, 512, 320, 64)
-  w = to_device(layout.pack(q, z, s, 64, xp=np))
-  x = jnp.asarray(rng.standard_normal((72, 512)), jnp.bfloat16)
-  y = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(max_block_m=32, num_ctas=3))
-  assert (block_ms[-1], overlaps[-1]) == (32, True)
-  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
-  assert routing.dense_blocks(64, 8, 32).num_blocks == 2 and routing.dense_blocks(20, 8, 16).block_m == 16
-  with pytest.raises(ValueError, match="max_block_m"):
-    routing.dense_blocks(64, 16, 8)
-
-
 def test_dense_runs_stream_k_unless_splits_are_given(monkeypatch):
   stream_k = _record_kernel_args(monkeypatch, "stream_k")
   splits = _record_kernel_args(monkeypatch, "splits")

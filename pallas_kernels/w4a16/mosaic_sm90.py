@@ -67,14 +67,18 @@ _MAGIC_BITS = 0x4300
 
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
-                      planes_per_wgmma=1, min_block_m=8, max_block_m=64, convert_in_producer=False, fold="sub_mul", ablate=None,
+                      planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
                       unit_scales=True, stream_k=False, gather_kernel=False)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
 # magnitude, with or without unit_scales, masked stores or K splits, at 2 or 3 stages; overlap=False exact; M = 16
 # / 32 exact either way), which interpret mode cannot show: a race between the in-flight wgmmas and the next
-# chunk, so it is refused there.
+# chunk, so it is refused there. Measured and removed (NOTES v13; H200, 4c8b9a4 / fc1e452): overlap "ahead" (chunk
+# i + 1 decoded into registers the loop carries while chunk i's wgmmas run, then wgmma_wait(0) every chunk, so no
+# accumulator with wgmmas in flight crosses the loop's back edge) is exact at block_m 64, which points at that
+# crossing as the race, but slower everywhere (MoE T = 64 g64 1,668 -> 2,237 µs, dense 7168x18432 M = 1 30.6 ->
+# 40.8, M = 64 44.4 -> 54.4); and M > 32 as 32-row blocks with the overlap (max_block_m 32): M = 64 44.0 -> 64.1.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
 # column tile, K split) round-robin with one ring across them, instead of one CTA per unit (H200, c51141d: MoE
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000
@@ -97,9 +101,7 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # them, TMA streams them with x). Needs convert_in_producer (the producer forms s, c and -e per stage).
 FOLDS = ("sub_mul", "fma")
 CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs of one chunk, zero-padded
-# min_block_m / max_block_m: the smallest / largest row block of a dense matmul (matmul only; the MoE's block_m is
-# w4a16_moe's argument). max_block_m 32 runs M > 32 as several 32-row blocks with the decode/wgmma overlap (each
-# block decodes the same weights; stream-K's CTAs on the blocks' equal chunk runs read them at about the same time).
+# min_block_m: the smallest row block of a dense matmul (matmul only; the MoE's block_m is w4a16_moe's argument).
 # 8 (wgmma N = 8) against 16: dense 7168x18432 / 18432x7168 M = 1 32.1 / 32.2 -> 30.6 / 30.8 µs (H200, 67f54b6).
 # unit_scales: each work unit's scales and zeros arrive in one copy per array and consumer (its [chunks x groups,
 # 64] tiles) into one of two unit slots, instead of four small copies per 256-row chunk; where the units have
@@ -971,8 +973,7 @@ def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, conf
   """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 8 / 16 / 32 / 64 per block."""
   cfg = {**DENSE_CONFIG, **(config or {})}
   return routing.dense_matmul(grouped_matmul, x, w, config=cfg, interpret=interpret, out_dtype=out_dtype,
-                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])),
-                              max_block_m=int(cfg.get("max_block_m", DEFAULT_CONFIG["max_block_m"])))
+                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])))
 
 
 def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,

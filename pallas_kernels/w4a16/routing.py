@@ -124,14 +124,11 @@ def _align_one_token(ids, kept, weights, nb: int, block_m: int) -> Routing:
                  pair_row=jnp.where(kept, place * block_m, -1).reshape(1, k).astype(jnp.int32), block_m=int(block_m))
 
 
-def dense_blocks(m: int, min_block_m: int = 16, max_block_m: int = 64) -> Routing:
+def dense_blocks(m: int, min_block_m: int = 16) -> Routing:
   """The row blocks of a dense matmul of M rows for the grouped kernels: one "expert" (0), blocks of min_block_m
-  (16, or 8 where the kernel takes it) / 16 / 32 / 64 rows (the smallest that holds M, up to max_block_m), rows
-  past M padding. pair_row is the identity [M, 1]."""
-  if max_block_m not in (8, 16, 32, 64) or max_block_m < min_block_m:
-    raise ValueError(f"dense_blocks: max_block_m must be 8, 16, 32 or 64 and >= min_block_m {min_block_m}, got "
-                     f"{max_block_m}.")
-  block_m = next((b for b in (8, 16, 32) if min_block_m <= b <= max_block_m and m <= b), max_block_m)
+  (16, or 8 where the kernel takes it) / 16 / 32 / 64 rows (the smallest that holds M, up to 64), rows past M
+  padding. pair_row is the identity [M, 1]."""
+  block_m = next((b for b in (8, 16, 32) if b >= min_block_m and m <= b), 64)
   nb = -(-m // block_m)
   rows = jnp.arange(nb * block_m, dtype=jnp.int32)
   return Routing(block_expert=jnp.zeros((nb,), jnp.int32), row_token=jnp.where(rows < m, rows, -1),
@@ -181,11 +178,11 @@ def stream_k_plan(units: int, n_chunks: int, ctas: int):
 
 
 def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config: dict, interpret: bool,
-                 out_dtype, min_block_m: int = 16, max_block_m: int = 64) -> jax.Array:
+                 out_dtype, min_block_m: int = 16) -> jax.Array:
   """x [M, K] @ W [K, N] through a grouped kernel (triton.grouped_matmul or mosaic_sm90.grouped_matmul): W as a
   one-expert stack, M rows in dense_blocks."""
   m = x.shape[0]
-  blocks = dense_blocks(m, min_block_m, max_block_m)
+  blocks = dense_blocks(m, min_block_m)
   y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
                      block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
                      busy_blocks=blocks.num_blocks, interpret=interpret, config=config)

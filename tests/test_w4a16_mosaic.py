@@ -62,8 +62,7 @@ def lower_for_cuda(f, *args):
 
 @pytest.mark.parametrize("m,g,splits,overlap,persistent", [(1, 64, 1, False, False), (7, 128, 2, False, False),
                                                            (64, 32, 1, False, False), (7, 32, 2, True, False),
-                                                           (16, 64, 1, True, False), (16, 64, 2, True, True),
-                                                           (64, 64, 1, "pairs", True), (16, 128, 1, "pairs", True)])
+                                                           (16, 64, 1, True, False), (16, 64, 2, True, True)])
 def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap, persistent):
   rng = np.random.default_rng(m)
   w = to_device(layout.pack(*rand_awq(rng, 512, 320, g), g, xp=np))
@@ -120,10 +119,7 @@ def test_moe_lowers_for_sm90(persistent, extra):
                           (24, 1024, 320, 64, 2, True, True, 1), (72, 512, 320, 64, 2, False, True, 1),
                           (7, 512, 192, 128, 1, False, True, 1),
                           # planes_per_wgmma: two (g64) and four (g128) planes per wgmma operand
-                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4),
-                          # overlap "pairs": two chunks per loop body, any block size (odd and even chunk counts)
-                          (72, 512, 320, 64, 2, "pairs", True, 1), (64, 768, 64, 32, 1, "pairs", False, 1),
-                          (7, 768, 128, 128, 3, "pairs", True, 4)])
+                          (16, 768, 192, 64, 1, True, True, 2), (7, 768, 128, 128, 3, True, True, 4)])
 def test_dense_interpret_vs_float64(m, k, n, g, splits, overlap, persistent, planes):
   rng = np.random.default_rng(100 + m)
   q, z, s = rand_awq(rng, k, n, g)
@@ -229,7 +225,7 @@ def test_backend_rules_for_mosaic():
 
 
 @pytest.mark.parametrize("splits,overlap,persistent", [(1, False, False), (2, False, False), (1, True, False),
-                                                       (1, True, True), (2, True, True), (1, "pairs", True)])
+                                                       (1, True, True), (2, True, True)])
 def test_moe_interpret_gated_k_split(splits, overlap, persistent):
   """Gate|up over two chunks, gated in the kernel (1 split) or after the summed float32 partials (2 splits); I =
   192 is not a multiple of the 128-column tile of the down projection."""

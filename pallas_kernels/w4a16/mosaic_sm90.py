@@ -721,30 +721,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           if own_unit_sz:
             pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
 
-          def run_pairs(acc_ref):
-            # two chunks per loop body: the second one decodes while the first one's wgmmas run, and both are
-            # waited for before the back edge, so no accumulator with wgmmas in flight crosses it
-            def chunk(i):
-              slot = lax.rem(first + i, stages)
-              plgpu.barrier_wait(loaded.at[slot])
-              chunk_products(acc_ref, slot, uslot, i)
-
-            def body(j, _):
-              chunk(2 * j)
-              pl.when(2 * j + 1 < n_steps)(lambda: chunk(2 * j + 1))
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[lax.rem(first + 2 * j, stages)])
-
-              @pl.when(2 * j + 1 < n_steps)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(first + 2 * j + 1, stages)])
-              return ()
-
-            lax.fori_loop(0, (n_steps + 1) // 2, body, ())
-            if own_unit_sz:
-              pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
-            return acc_ref[...]
-
           def run(acc_ref):
             def step(i, _):
               g = first + i
@@ -775,8 +751,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
             return acc_ref[...]
 
-          acc = pl.run_scoped(run_pairs if overlap == "pairs" else run,
-                              plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+          acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
           rows = pl.ds(b * block_m, block_m)
           col = column(p, w)
           if gate_in_kernel and w == 1:
@@ -904,8 +879,6 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   overlap = cfg["overlap"]
   if overlap is None:
     overlap = block_m <= OVERLAP_MAX_BLOCK_M
-  elif overlap == "pairs":
-    pass
   elif overlap and block_m > OVERLAP_MAX_BLOCK_M:
     raise ValueError(f"w4a16 mosaic_sm90: overlap=True at block_m {block_m} gives wrong results on the GPU (measured "
                      f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}. Leave overlap unset (None) "
@@ -973,7 +946,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       n_chunks=n_chunks, group=w.group_size, n_pad=w.n_pad, gated=gated, up_offset=w.n_pad // 2,
                       out_dtype=jnp.dtype(out_dtype), num_stages=stages,
                       consumer_registers=cfg["consumer_registers"], producer_registers=cfg["producer_registers"],
-                      overlap=overlap if overlap == "pairs" else bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
+                      overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
                       stream_k=slots if stream_k else 0)

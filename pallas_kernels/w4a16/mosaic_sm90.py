@@ -78,7 +78,9 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
 # i + 1 decoded into registers the loop carries while chunk i's wgmmas run, then wgmma_wait(0) every chunk, so no
 # accumulator with wgmmas in flight crosses the loop's back edge) is exact at block_m 64, which points at that
 # crossing as the race, but slower everywhere (MoE T = 64 g64 1,668 -> 2,237 µs, dense 7168x18432 M = 1 30.6 ->
-# 40.8, M = 64 44.4 -> 54.4); and M > 32 as 32-row blocks with the overlap (max_block_m 32): M = 64 44.0 -> 64.1.
+# 40.8, M = 64 44.4 -> 54.4); "pairs" (two chunks per loop body, the second decoded while the first's wgmmas run,
+# all waited for before the back edge) is exact at block_m 64 too and gains nothing (M = 64 44.4 -> 45.0, MoE T = 64
+# 1,683 -> 1,714, b0de8af); and M > 32 as 32-row blocks with the overlap (max_block_m 32): M = 64 44.0 -> 64.1.
 # persistent: a grid of num_ctas CTAs (None: one per SM; 4 in interpret mode) that walk the work units (block,
 # column tile, K split) round-robin with one ring across them, instead of one CTA per unit (H200, c51141d: MoE
 # T = 1 / 16 / 64 g64 116.6 / 992.7 / 2,172 -> 97.8 / 904.5 / 1,960 µs with target_programs 264, 101 / 907 / 2,000

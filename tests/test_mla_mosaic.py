@@ -508,3 +508,23 @@ def test_rows_kernel_prefetch_refusals():
   q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=16, dtype="fp8_e4m3")
   with pytest.raises(ValueError, match="prefetch_tiles applies to the rows kernel"):
     run_kernel(q, cache, table, lens, False, interpret=True, kernel="swapped", prefetch_tiles=2)
+
+
+def test_fp8_q_operands_never_write_the_concatenation():
+  """With an fp8 cache the kernels read Q's latent part (f16) and its rope part as two arrays, sliced before any
+  reshape: when q is a concatenation of the absorbed q_nope and q_rope (as the model builds it), XLA takes each
+  part from its own operand and no [.., 576] array is written (the optimized HLO has no concatenate)."""
+  a = jax.ShapeDtypeStruct((3, 2, 20, 512), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((3, 2, 20, 64), jnp.bfloat16)
+  f = jax.jit(lambda a, b: ms.fp8_q_operands(jnp.concatenate([a, b], axis=-1), 64, 1))
+  text = f.lower(a, b).compile().as_text()
+  assert "concatenate" not in text
+  rng = np.random.default_rng(0)
+  an = jnp.asarray(rng.standard_normal(a.shape), jnp.bfloat16)
+  bn = jnp.asarray(rng.standard_normal(b.shape), jnp.bfloat16)
+  lat, rope = f(an, bn)
+  assert lat.shape == (3, 64, 512) and lat.dtype == jnp.float16 and rope.shape == (3, 64, 64)
+  np.testing.assert_array_equal(np.asarray(lat[:, :40], np.float32),
+                                np.asarray(an, np.float32).reshape(3, 40, 512))
+  np.testing.assert_array_equal(np.asarray(rope[:, :40], np.float32), np.asarray(bn, np.float32).reshape(3, 40, 64))
+  assert not np.asarray(lat[:, 40:], np.float32).any() and not np.asarray(rope[:, 40:], np.float32).any()

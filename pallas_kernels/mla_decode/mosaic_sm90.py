@@ -310,7 +310,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           bg = b * g_count + grp              # (sequence, head group) row of q: a leading-dim TMA index
           plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(w * HALF, HALF)], qn_smem.at[w], qbar.at[w])
           if w == 0:
-            plgpu.copy_gmem_to_smem(qr_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar.at[2])
+            # rope: the last 64 columns of qr (q itself, or its rope part alone with an fp8 cache)
+            plgpu.copy_gmem_to_smem(qr_ref.at[bg, :, pl.ds(qr_ref.shape[-1] - ROPE_DIM, ROPE_DIM)], qr_smem,
+                                    qbar.at[2])
           plgpu.barrier_wait(qbar.at[w])
           if w == 0:
             plgpu.barrier_wait(qbar.at[2])
@@ -477,16 +479,32 @@ def _check_schedule(schedule, batch: int, num_parts: int):
   return cu, sched, payload
 
 
+def _as_rows(x, rows_per_cta: int, groups: int):
+  """[B, Sq, H, D] -> [B*G, rows_per_cta, D] (row b*G + g: sequence b, row group g; rows past Sq*H are zero
+  queries whose outputs are dropped)."""
+  batch, sq, heads, d = x.shape
+  rows_padded = rows_per_cta * groups
+  x = x.reshape(batch, sq * heads, d)
+  if rows_padded != sq * heads:
+    x = jnp.pad(x, ((0, 0), (0, rows_padded - sq * heads), (0, 0)))
+  return x.reshape(batch * groups, rows_per_cta, d)
+
+
+def fp8_q_operands(q, rows_per_cta: int, groups: int):
+  """Q for an fp8 cache as the kernels read it: (latent part in f16 [B*G, rows, 512], rope part [B*G, rows, 64]).
+  Sliced before anything else, so when q is the model's concatenation of the absorbed q_nope and q_rope, XLA
+  takes each part from its own producer and the [.., 576] concatenation is never written (V3 slice on an H200,
+  4c8b9a4: the concatenation and the f16 cast were 6.1 µs each per layer)."""
+  latent = _as_rows(q[..., :LATENT_DIM], rows_per_cta, groups).astype(jnp.float16)
+  return latent, _as_rows(q[..., LATENT_DIM:], rows_per_cta, groups)
+
+
 def _rows_and_schedule(q, block_table, seq_lens, *, rows_per_cta: int, groups: int, num_parts: int, schedule,
                        interpret):
-  """Q as [B*G, rows_per_cta, 576] (row b*G + g: sequence b, row group g; rows past Sq*H are zero queries whose
-  outputs are dropped), the clipped lengths and the split-KV schedule (computed here, or checked if given)."""
-  batch, sq, heads, _ = q.shape
-  rows_padded = rows_per_cta * groups
-  qf = q.reshape(batch, sq * heads, LATENT_DIM + ROPE_DIM)
-  if rows_padded != sq * heads:
-    qf = jnp.pad(qf, ((0, 0), (0, rows_padded - sq * heads), (0, 0)))
-  qf = qf.reshape(batch * groups, rows_per_cta, LATENT_DIM + ROPE_DIM)
+  """Q as [B*G, rows_per_cta, 576] (_as_rows), the clipped lengths and the split-KV schedule (computed here, or
+  checked if given)."""
+  batch = q.shape[0]
+  qf = _as_rows(q, rows_per_cta, groups)
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_table.shape[1] * PAGE)
   if schedule is None:
     cu, sched, payload = schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
@@ -508,8 +526,8 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
-  if fp8:   # Q's latent part in f16 (the dequantized page is f16); the TMA reads rope columns from qf
-    operands = (qf[..., :LATENT_DIM].astype(jnp.float16), qf, cache.latent, cache.rope, cache.scale)
+  if fp8:   # Q's latent part in f16 (the dequantized page is f16) and its rope part
+    operands = (*fp8_q_operands(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope, cache.scale)
   else:
     operands = (qf, cache.latent, cache.rope)
   o_part, lse2_part = call(*operands, block_table, lens, cu, sched)
@@ -558,12 +576,13 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   qf, lens, cu, sched, payload = _rows_and_schedule(q, block_table, seq_lens, rows_per_cta=plan.n,
                                                     groups=plan.groups, num_parts=plan.num_parts,
                                                     schedule=schedule, interpret=interpret)
-  # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and rope columns straight from these
-  q_nope = qf[..., :LATENT_DIM].astype(jnp.float16) if fp8 else qf
+  # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the
+  # second array straight from these
+  q_nope, q_rope = fp8_q_operands(q, plan.n, plan.groups) if fp8 else (qf, qf)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
-  o_part, lse2_part = call(q_nope, qf, *cache_arrays, block_table, lens, cu, sched)
+  o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)

@@ -143,8 +143,9 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
   """The pallas kernel. bf16 cache: (qf [B*G, 64, 576] bf16, latent, rope, block_table, lens, cu, sched);
-  fp8 cache: (qn [B*G, 64, 512] f16, qf, latent, rope, scale, block_table, lens, cu, sched), qf's latent part
-  unused. -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch."""
+  fp8 cache: (qn [B*G, 64, 512] f16, qr [B*G, 64, D] bf16 whose last 64 columns are Q's rope (its rope part, or
+  qf), latent, rope, scale, block_table, lens, cu, sched). -> (o_part f32 [E*G, 64, 512] normalized, lse2_part
+  f32 [E*G, 64] log2 domain), E = num_parts + batch."""
   g_count, parts, stages, fp8 = plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E
@@ -197,6 +198,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       qn_ref = sc_ref = None
       scratch_refs = refs[9:]
     r = dict(zip(names, scratch_refs))
+    rope_col = q_ref.shape[-1] - ROPE_DIM          # Q's rope: the last 64 columns of q_ref
     q_smem, ring_lat, ring_rope, pbuf, mx, lx = (
         r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
     loaded, consumed, qbar, mbar, pbar, lbar = (
@@ -323,11 +325,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               q_src = qn_ref.at[bg, :, pl.ds(h * HALF, HALF)] if fp8 else q_ref.at[bg, :, pl.ds(h * HALF, HALF)]
               plgpu.copy_gmem_to_smem(q_src, q_smem.at[h], qbar)
             if not held:
-              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(LATENT_DIM, ROPE_DIM)], qr_smem, qbar)
+              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(rope_col, ROPE_DIM)], qr_smem, qbar)
           qr = None
           if held:
             # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
-            qr = plgpu.load(q_ref.at[b * g_count + grp, :, pl.ds(LATENT_DIM, ROPE_DIM)],
+            qr = plgpu.load(q_ref.at[b * g_count + grp, :, pl.ds(rope_col, ROPE_DIM)],
                             layout=plgpu.Layout.WGMMA, optimized=False)
             if not on_gpu:
               # this warpgroup's previous QKs are done with its copy (wgmma_wait in qk)

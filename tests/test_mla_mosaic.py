@@ -514,8 +514,8 @@ def test_fp8_q_operands_never_write_the_concatenation():
   """With an fp8 cache the kernels read Q's latent part (f16) and its rope part as two arrays, sliced before any
   reshape: when q is a concatenation of the absorbed q_nope and q_rope (as the model builds it), XLA takes each
   part from its own operand and no [.., 576] array is written (the optimized HLO has no concatenate)."""
-  a = jax.ShapeDtypeStruct((3, 2, 20, 512), jnp.bfloat16)
-  b = jax.ShapeDtypeStruct((3, 2, 20, 64), jnp.bfloat16)
+  a = jax.ShapeDtypeStruct((3, 2, 20, 512), jnp.bfloat16)     # [B, Sq, H, .] parts, as the engine's decode step
+  b = jax.ShapeDtypeStruct((3, 2, 20, 64), jnp.bfloat16)      # concatenates them (a reshape after it would hide them)
   f = jax.jit(lambda a, b: ms.fp8_q_operands(jnp.concatenate([a, b], axis=-1), 64, 1))
   text = f.lower(a, b).compile().as_text()
   assert "concatenate" not in text

@@ -413,7 +413,7 @@ def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_
                        num_pages=num_pages, interpret=False)
   qrows = batch * plan.groups
   if plan.fp8:
-    cache_args = (s((qrows, 64, 512), jnp.float16), s((qrows, 64, 576), jnp.bfloat16),
+    cache_args = (s((qrows, 64, 512), jnp.float16), s((qrows, 64, 64), jnp.bfloat16),
                   s((num_pages, 64, 512), jnp.float8_e4m3fn), s((num_pages, 64, 64), jnp.bfloat16),
                   s((num_pages, 64, 4), jnp.float32))
   else:
@@ -528,3 +528,27 @@ def test_fp8_q_operands_never_write_the_concatenation():
                                 np.asarray(an, np.float32).reshape(3, 40, 512))
   np.testing.assert_array_equal(np.asarray(rope[:, :40], np.float32), np.asarray(bn, np.float32).reshape(3, 40, 64))
   assert not np.asarray(lat[:, 40:], np.float32).any() and not np.asarray(rope[:, 40:], np.float32).any()
+
+
+@pytest.mark.parametrize("fp8,heads", [(True, 16), (False, 16), (True, 20)])
+def test_swapped_kernel_lowers_for_sm90(fp8, heads):
+  """The swapped kernel's GPU code path lowers for sm90 with the operands the wrapper passes: Q's latent part (f16
+  for an fp8 cache, else q itself) and, for its rope columns, q's rope part alone (fp8) or q itself (bf16)."""
+  plan = ms.make_plan(heads, fp8, num_parts=8)
+  batch, num_pages, max_pages = 4, 64, 8
+  s = jax.ShapeDtypeStruct
+  call = ms._build_call(plan, batch=batch, sq=1, heads=heads, causal=False, softmax_scale=SCALE,
+                        num_pages=num_pages, interpret=False)
+  qrows = batch * plan.groups
+  if fp8:
+    q_args = (s((qrows, plan.n, 512), jnp.float16), s((qrows, plan.n, 64), jnp.bfloat16))
+    cache_args = (s((num_pages, 64, 512), jnp.float8_e4m3fn), s((num_pages, 64, 64), jnp.bfloat16),
+                  s((num_pages, 64, 4), jnp.float32))
+  else:
+    q_args = (s((qrows, plan.n, 576), jnp.bfloat16),) * 2
+    cache_args = (s((num_pages, 64, 512), jnp.bfloat16), s((num_pages, 64, 64), jnp.bfloat16))
+  parts_padded = 1 << (plan.num_parts - 1).bit_length()
+  args = q_args + cache_args + (s((batch, max_pages), jnp.int32), s((batch,), jnp.int32),
+                                s((batch + 1,), jnp.int32), s((4, parts_padded), jnp.int32))
+  text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "wgmma" in text

@@ -499,18 +499,15 @@ def fp8_q_operands(q, rows_per_cta: int, groups: int):
   return latent, _as_rows(q[..., LATENT_DIM:], rows_per_cta, groups)
 
 
-def _rows_and_schedule(q, block_table, seq_lens, *, rows_per_cta: int, groups: int, num_parts: int, schedule,
-                       interpret):
-  """Q as [B*G, rows_per_cta, 576] (_as_rows), the clipped lengths and the split-KV schedule (computed here, or
-  checked if given)."""
-  batch = q.shape[0]
-  qf = _as_rows(q, rows_per_cta, groups)
+def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, interpret):
+  """The clipped lengths and the split-KV schedule (computed here, or checked if given)."""
+  batch = seq_lens.shape[0]
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_table.shape[1] * PAGE)
   if schedule is None:
     cu, sched, payload = schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
   else:
     cu, sched, payload = _check_schedule(schedule, batch, num_parts)
-  return qf, lens, cu, sched, payload
+  return lens, cu, sched, payload
 
 
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
@@ -520,16 +517,15 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   fp8 = cache.dtype == "fp8_e4m3"
   plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
                                     fp8=fp8, prefetch_tiles=prefetch_tiles)
-  qf, lens, cu, sched, payload = _rows_and_schedule(q, block_table, seq_lens, rows_per_cta=mosaic_sm90_rows.ROWS,
-                                                    groups=plan.groups, num_parts=plan.num_parts,
-                                                    schedule=schedule, interpret=interpret)
+  lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
+                                                interpret=interpret)
   call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
   if fp8:   # Q's latent part in f16 (the dequantized page is f16) and its rope part
     operands = (*fp8_q_operands(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope, cache.scale)
   else:
-    operands = (qf, cache.latent, cache.rope)
+    operands = (_as_rows(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
   o_part, lse2_part = call(*operands, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), rows_major=True)   # [B, G*64, 512], [B, G*64]
@@ -573,12 +569,14 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: prefetch_tiles applies to the rows kernel (kernel='rows', fp8 cache)")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p)
-  qf, lens, cu, sched, payload = _rows_and_schedule(q, block_table, seq_lens, rows_per_cta=plan.n,
-                                                    groups=plan.groups, num_parts=plan.num_parts,
-                                                    schedule=schedule, interpret=interpret)
+  lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
+                                                interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the
   # second array straight from these
-  q_nope, q_rope = fp8_q_operands(q, plan.n, plan.groups) if fp8 else (qf, qf)
+  if fp8:
+    q_nope, q_rope = fp8_q_operands(q, plan.n, plan.groups)
+  else:
+    q_nope = q_rope = _as_rows(q, plan.n, plan.groups)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())

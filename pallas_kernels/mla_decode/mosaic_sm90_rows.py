@@ -59,7 +59,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
+from pallas_kernels.mla_decode.sm90_shared import (LAUNCH_REGISTERS, dequant_layout, produce_pages, scale_layout,
+                                                  share_of_part)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -86,6 +87,11 @@ class Plan:
   # fp8, 1 slot: how many of a page's 4 [32, 128] dequant tiles a warpgroup loads and converts into registers
   # while the previous page's P.V runs (stored after kfree); 0: the whole dequant after kfree
   prefetch_tiles: int = 0
+  # setmaxnreg of each compute warpgroup (the producer gets the rest of the 504 a thread the launch holds)
+  consumer_registers: int = 232
+  # fp8: every SMEM operand address of the page loop is offset by a per-page zero the compiler cannot see through
+  # (the page counter >> 31), so wgmma descriptors are computed in the loop instead of kept across it
+  rebase_per_page: bool = False
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -115,7 +121,8 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False, prefetch_tiles: int = 0) -> Plan:
+              fp8: bool = False, prefetch_tiles: int = 0, consumer_registers: int = 232,
+              rebase_per_page: bool = False) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
   fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md)."""
   if rows < 1:
@@ -136,8 +143,13 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
                      f"got {prefetch_tiles}")
+  consumer_registers = int(consumer_registers)
+  if consumer_registers % 8 or not 232 <= consumer_registers <= 240:
+    raise ValueError(f"mosaic_sm90 rows kernel: consumer_registers must be 232 or 240 (a multiple of 8 that "
+                     f"leaves the producer at least 24 of 504), got {consumer_registers}")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
-              prefetch_tiles=prefetch_tiles)
+              prefetch_tiles=prefetch_tiles, consumer_registers=consumer_registers,
+              rebase_per_page=bool(rebase_per_page))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -219,7 +231,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
     # -------- warpgroups 0, 1: scores of tokens [32 w, 32 w + 32), softmax, P.V for columns [256 w, +256) ----
     def compute(w: int):
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(plan.consumer_registers, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 0, layout=plgpu.Layout.WGMMA)
       tok_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 1, layout=plgpu.Layout.WGMMA) + w * TOK
       q_index = lax.div(grp * ROWS + row_iota, jnp.int32(heads))   # query token s of each row (r = s*H + h)
@@ -234,7 +246,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
             ring_lat[slot, w, :, pl.ds(c * CHUNK, CHUNK)] = jnp.where(rows < n_valid, x, jnp.zeros_like(x))
 
-      def dequant(slot, n_valid):
+      def dequant(slot, n_valid, z=0):
         """fp8: this warpgroup's tokens [32 w, 32 w + 32) of the page, all 512 latent columns -> f16 x tile scale
         (exact: power-of-two scales) into kbuf, tokens past the length -> 0 by select (they may hold NaN; only
         a partial last page pays the select), and (one slot) the same tokens' bf16 rope into krope. QK reads only
@@ -256,7 +268,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             if masked:
               ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
               x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-            kbuf[t // 2, toks, cols] = x
+            kbuf[t // 2 + z, toks, cols] = x
           if not held:
             krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
 
@@ -344,12 +356,16 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             slot = lax.rem(c, stages)
             n_valid = length - j * PAGE
             plgpu.barrier_wait(loaded.at[slot])
+            # rebase_per_page: 0 (c >= 0), but not a constant to the compiler, so the kbuf / Q operand addresses
+            # below depend on the page and their wgmma descriptors are rebuilt in the loop (a few integer ops)
+            # instead of being kept in registers across it, where ptxas spills them (fp8: NOTES.md)
+            z = lax.shift_right_logical(c, 31) if plan.rebase_per_page else 0
             if fp8:
               @pl.when(c > 0)
               def _():
                 plgpu.barrier_wait(kfree)       # both P.Vs of the previous page are done reading kbuf
 
-              dequant(slot, n_valid)
+              dequant(slot, n_valid, z)
               plgpu.commit_smem()               # this warpgroup's tiles visible to its wgmma
               if not held:
                 plgpu.barrier_arrive(consumed.at[slot])   # the fp8 slot is read: the producer may refill it
@@ -357,10 +373,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             def qk(acc_ref):
               for cc in range(LATENT_DIM // CHUNK):
                 if fp8:
-                  k_tile = kbuf.at[cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
+                  k_tile = kbuf.at[cc // 4 + z, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
                 else:
                   k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
-                plgpu.wgmma(acc_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
+                plgpu.wgmma(acc_ref, q_smem.at[cc // 4 + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
               if held:
                 # the rope straight from the held slot; Q's rope from registers (interpret: this warpgroup's copy)
                 plgpu.wgmma(acc_ref, qr if on_gpu else qr_smem.at[w], ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
@@ -395,7 +411,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.commit_smem()
             plgpu.barrier_arrive(pbar)
             plgpu.barrier_wait(pbar)
-            v_half = lambda: kbuf.at[w] if fp8 else ring_lat.at[slot, w]   # (taken inside each pv: same trace)
+            v_half = lambda: kbuf.at[w + z] if fp8 else ring_lat.at[slot, w]   # (taken inside each pv: same trace)
 
             if on_gpu:
               # P [64, 64] as the wgmma A operand from registers, accumulating onto the rescaled O in place

@@ -455,7 +455,7 @@ def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal, stages):
     _lower_rows_for_sm90(deeper, heads=heads, sq=sq, causal=causal)
 
 
-# ---- rows kernel register options: loop-variant operand addresses (rebase_per_page), the register split --------
+# ---- rows kernel: loop-variant operand addresses (rebase_per_page; default on for fp8) -----------------------
 @pytest.mark.parametrize("dtype,heads,sq,lens,causal,parts", [
     ("fp8_e4m3", 64, 1, [70, 0, 5], False, 3),      # zero length; partial last pages; a share spans sequences
     ("fp8_e4m3", 64, 2, [3, 200, 100], True, 4),    # Sq 2 causal
@@ -463,30 +463,30 @@ def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal, stages):
 ])
 def test_rows_kernel_rebase_interpret(dtype, heads, sq, lens, causal, parts):
   """rebase_per_page adds a run-time zero to kbuf's and Q's SMEM indices: against the float64 reference and
-  bit-identical to the default (the same products in the same order)."""
+  bit-identical without it (the same products in the same order)."""
   q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 3000, lens=lens, sq=sq, heads=heads, dtype=dtype)
   out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows",
-                        rebase_per_page=True, consumer_registers=240)
+                        rebase_per_page=True)
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
   # fp8: f16 P, the plain bound; bf16: the bf16-P bound (§3)
   res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
   assert res["ok"], res
-  out0, lse0 = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  out0, lse0 = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows",
+                          rebase_per_page=False)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
 
 
-@pytest.mark.parametrize("fp8,regs", [(True, 240), (False, 240), (True, 232)])
-def test_rows_kernel_rebase_lowers_for_sm90(fp8, regs):
+@pytest.mark.parametrize("fp8,rebase", [(True, False), (False, True)])
+def test_rows_kernel_rebase_lowers_for_sm90(fp8, rebase):
+  """The non-default setting of each cache lowers too (the defaults: test_rows_kernel_lowers_for_sm90)."""
   from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  plan = mr.make_plan(128, num_sms=8, fp8=fp8, consumer_registers=regs, rebase_per_page=True)
+  plan = mr.make_plan(128, num_sms=8, fp8=fp8, rebase_per_page=rebase)
+  assert plan.rebase_per_page == rebase and mr.make_plan(128, num_sms=8, fp8=fp8).rebase_per_page == fp8
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=128, sq=1, causal=False)
 
 
-def test_rows_kernel_register_refusals():
-  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  with pytest.raises(ValueError, match="consumer_registers must be 232 or 240"):
-    mr.make_plan(128, num_sms=8, fp8=True, consumer_registers=248)
+def test_rows_kernel_rebase_refused_for_swapped():
   q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=16, dtype="fp8_e4m3")
   with pytest.raises(ValueError, match="apply to the rows kernel"):
     run_kernel(q, cache, table, lens, False, interpret=True, kernel="swapped", rebase_per_page=True)

@@ -59,8 +59,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (LAUNCH_REGISTERS, dequant_layout, produce_pages, scale_layout,
-                                                  share_of_part)
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -87,10 +86,9 @@ class Plan:
   # fp8, 1 slot: how many of a page's 4 [32, 128] dequant tiles a warpgroup loads and converts into registers
   # while the previous page's P.V runs (stored after kfree); 0: the whole dequant after kfree
   prefetch_tiles: int = 0
-  # setmaxnreg of each compute warpgroup (the producer gets the rest of the 504 a thread the launch holds)
-  consumer_registers: int = 232
-  # fp8: every SMEM operand address of the page loop is offset by a per-page zero the compiler cannot see through
-  # (the page counter >> 31), so wgmma descriptors are computed in the loop instead of kept across it
+  # every kbuf / Q operand address of the page loop is offset by a per-page zero the compiler cannot see through
+  # (the page counter >> 31), so their wgmma descriptors are rebuilt in the loop instead of kept in registers
+  # across it, where ptxas spills them with an fp8 cache (NOTES.md; default: on for fp8)
   rebase_per_page: bool = False
 
   @property
@@ -121,8 +119,7 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False, prefetch_tiles: int = 0, consumer_registers: int = 232,
-              rebase_per_page: bool = False) -> Plan:
+              fp8: bool = False, prefetch_tiles: int = 0, rebase_per_page: bool | None = None) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
   fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md)."""
   if rows < 1:
@@ -143,13 +140,10 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
                      f"got {prefetch_tiles}")
-  consumer_registers = int(consumer_registers)
-  if consumer_registers % 8 or not 232 <= consumer_registers <= 240:
-    raise ValueError(f"mosaic_sm90 rows kernel: consumer_registers must be 232 or 240 (a multiple of 8 that "
-                     f"leaves the producer at least 24 of 504), got {consumer_registers}")
+  if rebase_per_page is None:
+    rebase_per_page = bool(fp8)    # fp8 h128: 0 spills instead of 632 B, kernel -21% on an H200 (NOTES.md)
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
-              prefetch_tiles=prefetch_tiles, consumer_registers=consumer_registers,
-              rebase_per_page=bool(rebase_per_page))
+              prefetch_tiles=prefetch_tiles, rebase_per_page=bool(rebase_per_page))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -231,7 +225,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
     # -------- warpgroups 0, 1: scores of tokens [32 w, 32 w + 32), softmax, P.V for columns [256 w, +256) ----
     def compute(w: int):
-      plgpu.set_max_registers(plan.consumer_registers, action="increase")
+      plgpu.set_max_registers(232, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 0, layout=plgpu.Layout.WGMMA)
       tok_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 1, layout=plgpu.Layout.WGMMA) + w * TOK
       q_index = lax.div(grp * ROWS + row_iota, jnp.int32(heads))   # query token s of each row (r = s*H + h)
@@ -300,10 +294,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
         return lax.cond(n_valid >= (w + 1) * TOK, lambda: convert(False), lambda: convert(True))
 
-      def store_tiles(ts, xs):
+      def store_tiles(ts, xs, z):
         toks = pl.ds(w * TOK, TOK)
         for t, x in zip(ts, xs):
-          kbuf[t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
+          kbuf[t // 2 + z, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
 
       def no_tiles(ts):
         return tuple(plgpu.layout_cast(jnp.zeros((TOK, FP8_TILE), jnp.float16), dequant_layout()) for _ in ts)
@@ -453,22 +447,23 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               c = ctr + (j - lo)
               slot = lax.rem(c, stages)
               n_valid = length - j * PAGE
+              z = lax.shift_right_logical(c, 31) if plan.rebase_per_page else 0    # as in `page`
 
               @pl.when(c > 0)
               def _():
                 plgpu.barrier_wait(kfree)       # both P.Vs of the previous page are done reading kbuf
 
-              store_tiles(early, pre)
+              store_tiles(early, pre, z)
               if late:
-                store_tiles(late, load_tiles(slot, n_valid, late))
+                store_tiles(late, load_tiles(slot, n_valid, late), z)
               krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
               plgpu.commit_smem()               # this warpgroup's tiles visible to its wgmma
               plgpu.barrier_arrive(consumed.at[slot])     # the fp8 slot is read: the producer may refill it
 
               def qk(s_ref):
                 for cc in range(LATENT_DIM // CHUNK):
-                  k_tile = kbuf.at[cc // 4, toks, pl.ds((cc % 4) * CHUNK, CHUNK)]
-                  plgpu.wgmma(s_ref, q_smem.at[cc // 4, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
+                  k_tile = kbuf.at[cc // 4 + z, toks, pl.ds((cc % 4) * CHUNK, CHUNK)]
+                  plgpu.wgmma(s_ref, q_smem.at[cc // 4 + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
                 plgpu.wgmma(s_ref, qr_smem, krope.at[toks].T)
                 plgpu.wgmma_wait(0)
                 return s_ref[...]
@@ -501,12 +496,12 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 return load_tiles(nxt, n_valid - PAGE, early)
 
               if acc_ref is not None:
-                plgpu.wgmma(acc_ref, plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False), kbuf.at[w])
+                plgpu.wgmma(acc_ref, plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False), kbuf.at[w + z])
                 pre = lax.cond(j + 1 < hi, next_page, lambda: no_tiles(early))     # while P.V runs
                 plgpu.wgmma_wait(0)
               else:
                 def pv(tmp_ref):
-                  plgpu.wgmma(tmp_ref, pbuf, kbuf.at[w])
+                  plgpu.wgmma(tmp_ref, pbuf, kbuf.at[w + z])
                   nxt_tiles = lax.cond(j + 1 < hi, next_page, lambda: no_tiles(early))
                   plgpu.wgmma_wait(0)
                   return tmp_ref[...], nxt_tiles

@@ -14,11 +14,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 
-# A 384-thread CTA launches with 168 registers a thread (65,536 / 384, rounded down to 8); setmaxnreg moves them
-# between the three warpgroups, so producer + 2 x compute registers must stay within 3 x 168.
-LAUNCH_REGISTERS = 3 * 168
-
-
 def share_of_part(sched_ref, cu_ref, part):
   """(b_first, b_last, seq_pages) of split-KV share `part` (split_kv.schedule_kernel's rows: begin, end, b_first,
   b_last); seq_pages(b) -> the share's page range [lo, hi) within sequence b (empty when hi <= lo)."""
@@ -33,12 +28,12 @@ def share_of_part(sched_ref, cu_ref, part):
 
 
 def produce_pages(*, b_first, b_last, seq_pages, bt_ref, lat_ref, rope_ref, sc_ref, ring_lat, ring_rope, ring_sc,
-                  loaded, consumed, stages: int, num_pages: int, half: int, registers: int = 40):
+                  loaded, consumed, stages: int, num_pages: int, half: int):
   """The producer warpgroup's body: every page of the share, in order, by TMA into ring slot c % stages (latent as
   two column halves, rope, and the fp8 scales when sc_ref is given), after the compute warpgroups released that slot
   (`consumed`); each slot's copies arrive on `loaded[slot]`. Table entries are clipped to the pool, so a bad entry
-  cannot fault (the api NaNs that row). `registers`: its setmaxnreg (the compute warpgroups take the rest)."""
-  plgpu.set_max_registers(registers, action="decrease")
+  cannot fault (the api NaNs that row)."""
+  plgpu.set_max_registers(40, action="decrease")
 
   def seg(b, ctr):
     lo, hi = seq_pages(b)

@@ -79,9 +79,10 @@ def correctness_cases(kind: str):
        dict(num_stages=2)),
       ("fp8 h64 sq2 rows 2 stages causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
        dict(num_stages=2)),
-      # the opt-in next-page dequant during P.V (O in a whole-segment accumulator: GPU-only structure)
-      ("fp8 h128 ragged+0 rows prefetch 2", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows",
-       dict(prefetch_tiles=2)),
+      # the next-page dequant during P.V (O in a whole-segment accumulator: GPU-only structure; default k = 2),
+      # other depths, and none (the whole dequant after kfree)
+      ("fp8 h128 ragged+0 rows prefetch 0", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows",
+       dict(prefetch_tiles=0)),
       ("fp8 h128 b48 many seqs/part rows prefetch 4", "fp8_e4m3", 128, 1, ragged(48, 1500), "rows",
        dict(prefetch_tiles=4)),
       ("fp8 h64 sq2 rows prefetch 1 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
@@ -158,7 +159,7 @@ def timing_variants():
       ("fp8_e4m3 h128 rows ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", dict(kernel="rows")),
       # the next page's first k dequant tiles converted while P.V runs
       *((f"fp8_e4m3 h128 rows prefetch {k}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="rows", prefetch_tiles=k)) for k in (1, 2, 4)),
+         dict(kernel="rows", prefetch_tiles=k)) for k in (0, 1, 2, 4)),
       ("fp8_e4m3 h128 sq2", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128 sq2 rows", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("fp8_e4m3 h128 sq2 rows 2 stages", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",

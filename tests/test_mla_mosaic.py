@@ -455,7 +455,7 @@ def test_rows_kernel_lowers_for_sm90(fp8, heads, sq, causal, stages):
     _lower_rows_for_sm90(deeper, heads=heads, sq=sq, causal=causal)
 
 
-# ---- rows kernel: loop-variant operand addresses (rebase_per_page; default on for fp8) -----------------------
+# ---- rows kernel: loop-variant operand addresses (rebase_per_page; default on) ------------------------------
 @pytest.mark.parametrize("dtype,heads,sq,lens,causal,parts", [
     ("fp8_e4m3", 64, 1, [70, 0, 5], False, 3),      # zero length; partial last pages; a share spans sequences
     ("fp8_e4m3", 64, 2, [3, 200, 100], True, 4),    # Sq 2 causal
@@ -477,12 +477,14 @@ def test_rows_kernel_rebase_interpret(dtype, heads, sq, lens, causal, parts):
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
 
 
-@pytest.mark.parametrize("fp8,rebase", [(True, False), (False, True)])
-def test_rows_kernel_rebase_lowers_for_sm90(fp8, rebase):
-  """The non-default setting of each cache lowers too (the defaults: test_rows_kernel_lowers_for_sm90)."""
+@pytest.mark.parametrize("fp8", [True, False])
+def test_rows_kernel_rebase_lowers_for_sm90(fp8):
+  """Without rebase_per_page it lowers too (the default, on: test_rows_kernel_lowers_for_sm90)."""
   from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  plan = mr.make_plan(128, num_sms=8, fp8=fp8, rebase_per_page=rebase)
-  assert plan.rebase_per_page == rebase and mr.make_plan(128, num_sms=8, fp8=fp8).rebase_per_page == fp8
+  plan = mr.make_plan(128, num_sms=8, fp8=fp8, rebase_per_page=False)
+  default = mr.make_plan(128, num_sms=8, fp8=fp8)
+  assert not plan.rebase_per_page and default.rebase_per_page
+  assert default.prefetch_tiles == (2 if fp8 else 0)
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=128, sq=1, causal=False)
 
 

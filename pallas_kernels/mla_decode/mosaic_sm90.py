@@ -538,7 +538,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None,
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
-               prefetch_tiles: int = 0, rebase_per_page: bool | None = None) -> tuple[jax.Array, jax.Array]:
+               prefetch_tiles: int | None = None,
+               rebase_per_page: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -566,7 +567,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page)
-  if prefetch_tiles or rebase_per_page is not None:
+  if prefetch_tiles is not None or rebase_per_page is not None:
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p)

@@ -31,17 +31,22 @@ of a partial page -> 0) into that page and copies their rope, releases the fp8 s
 during this page's compute), and reads the f16 page for QK (its tokens) and P.V (its columns, after pbar). Q's
 latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barrier keeps the next dequant off the
 f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs it when Sq·H is a multiple of 64 (H200 h128:
-281 TFLOP/s against the swapped kernel's 163).
+359 TFLOP/s against the swapped kernel's 163).
 
 fp8 with num_stages=2 (opt-in; 3% slower on an H200, NOTES.md): each slot stays held until both warpgroups'
 QKs are done with it, so QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after
 QK; Q's rope is loaded from GMEM once a segment into registers, the rope wgmma's A operand (interpret mode:
 through a per-warpgroup SMEM copy). Without those two 8 KiB buffers two fp8 slots fit (NOTES.md counts it).
 
-fp8 with prefetch_tiles = k (opt-in, 1 slot; +2% at k = 2 on an H200, slower at 4, NOTES.md): while a page's
+fp8 with prefetch_tiles = k (1 slot; default k = 2: -3% time on an H200, slower at 4, NOTES.md): while a page's
 P.V runs, the next page of the segment is waited for and its first k dequant tiles are loaded and converted into
 registers, stored after kfree. On the GPU O then lives in one accumulator for the whole segment (a page's P.V
 cannot carry registers out of its run_state); interpret mode keeps O as a value (bit-identical results).
+
+Operand addresses (rebase_per_page, on by default): the page loop adds a run-time zero (page counter >> 31) to
+the SMEM indices of Q and the dequantized page, so the compiler rebuilds their wgmma descriptors in the loop (a
+few integer ops) instead of keeping ~20 loop-invariant 64-bit descriptors in registers, which ptxas spilled to
+local memory (fp8: 632 B, reloaded every page on the QK chain; bf16: 148 B). NOTES.md has the profile.
 
 Synchronisation: every SMEM hand-off is ordered by an mbarrier or commit_smem (Mosaic's automatic barriers are
 off), and no reduction crosses warps (the row reductions of a WGMMA-layout [64, 32] array stay inside a warp), so
@@ -88,8 +93,8 @@ class Plan:
   prefetch_tiles: int = 0
   # every kbuf / Q operand address of the page loop is offset by a per-page zero the compiler cannot see through
   # (the page counter >> 31), so their wgmma descriptors are rebuilt in the loop instead of kept in registers
-  # across it, where ptxas spills them with an fp8 cache (NOTES.md; default: on for fp8)
-  rebase_per_page: bool = False
+  # across it, where ptxas spills them (NOTES.md)
+  rebase_per_page: bool = True
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -119,9 +124,10 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False, prefetch_tiles: int = 0, rebase_per_page: bool | None = None) -> Plan:
+              fp8: bool = False, prefetch_tiles: int | None = None, rebase_per_page: bool | None = None) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
-  fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md)."""
+  fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md).
+  Defaults (None): prefetch_tiles 2 for fp8 with one slot, else 0; rebase_per_page on."""
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
   groups = -(-rows // ROWS)
@@ -133,6 +139,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
     raise ValueError(f"mosaic_sm90 rows kernel: {stages} page stages ({'fp8' if fp8 else 'bf16'} cache) need "
                      f"{smem_bytes(max(stages, 1), fp8)} bytes of SMEM (limit {SMEM_LIMIT}); use num_stages in "
                      f"{fitting}")
+  if prefetch_tiles is None:
+    prefetch_tiles = 2 if fp8 and stages == 1 else 0   # fp8 h128 b128 L4096: 418.0 -> 406.6 us (NOTES.md)
   prefetch_tiles = int(prefetch_tiles)
   if prefetch_tiles and not (fp8 and stages == 1):
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles={prefetch_tiles} applies to an fp8 cache with a "
@@ -140,10 +148,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
                      f"got {prefetch_tiles}")
-  if rebase_per_page is None:
-    rebase_per_page = bool(fp8)    # fp8 h128: 0 spills instead of 632 B, kernel -21% on an H200 (NOTES.md)
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
-              prefetch_tiles=prefetch_tiles, rebase_per_page=bool(rebase_per_page))
+              prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page is None or bool(rebase_per_page))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,

@@ -413,9 +413,8 @@ def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_
                        num_pages=num_pages, interpret=False)
   qrows = batch * plan.groups
   if plan.fp8:
-    cache_args = (s((qrows, 64, 512), jnp.float16), s((qrows, 64, 64), jnp.bfloat16),
-                  s((num_pages, 64, 512), jnp.float8_e4m3fn), s((num_pages, 64, 64), jnp.bfloat16),
-                  s((num_pages, 64, 4), jnp.float32))
+    cache_args = (s((qrows, 64, 576), jnp.bfloat16), s((num_pages, 64, 512), jnp.float8_e4m3fn),
+                  s((num_pages, 64, 64), jnp.bfloat16), s((num_pages, 64, 4), jnp.float32))
   else:
     cache_args = (s((qrows, 64, 576), jnp.bfloat16), s((num_pages, 64, 512), jnp.bfloat16),
                   s((num_pages, 64, 64), jnp.bfloat16))

@@ -522,10 +522,10 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
-  if fp8:   # Q's latent part in f16 (the dequantized page is f16) and its rope part
-    operands = (*fp8_q_operands(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope, cache.scale)
-  else:
-    operands = (_as_rows(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
+  # q as it is, in rows (a reshape at h128); with an fp8 cache the kernel converts Q's latent part to f16 itself
+  operands = (_as_rows(q, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
+  if fp8:
+    operands += (cache.scale,)
   o_part, lse2_part = call(*operands, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), rows_major=True)   # [B, G*64, 512], [B, G*64]

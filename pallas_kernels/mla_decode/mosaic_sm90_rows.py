@@ -190,7 +190,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       loaded=plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),
       # slot free again: bf16 after P.V; fp8 after both dequants (1 slot) or both QKs (held)
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      qbar=plgpu.Barrier(num_arrivals=2 if held else 3),                  # Q latent halves (+ rope) landed
+      # Q landed: latent halves (bf16: 2 TMAs; fp8: each warpgroup's converted half) + rope (unless held)
+      qbar=plgpu.Barrier(num_arrivals=2 if held else 3),
       mbar=plgpu.Barrier(num_arrivals=2),                                 # row maxima written (both QKs done)
       pbar=plgpu.Barrier(num_arrivals=2),                                 # P written (and tails zeroed)
       lbar=plgpu.Barrier(num_arrivals=2))                                 # row sums written (segment done)
@@ -203,11 +204,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
   def body(*refs):
     if fp8:
-      qn_ref, q_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:11]
-      scratch_refs = refs[11:]
+      q_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:10]
+      scratch_refs = refs[10:]
     else:
       q_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:9]
-      qn_ref = sc_ref = None
+      sc_ref = None
       scratch_refs = refs[9:]
     r = dict(zip(names, scratch_refs))
     rope_col = q_ref.shape[-1] - ROPE_DIM          # Q's rope: the last 64 columns of q_ref
@@ -328,14 +329,23 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
         @pl.when(hi > lo)
         def _segment():
+          # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
+          # segment, or nothing came before)
+          bg = b * g_count + grp
+          if fp8:
+            # each warpgroup converts its latent half of Q, bf16 in GMEM, to f16 into q_smem[w] (the dequantized
+            # page is f16; the same rounding as an XLA cast, without writing an f16 copy of q first)
+            for c in range(HALF // FP8_TILE):
+              x = plgpu.load(q_ref.at[bg, :, pl.ds(w * HALF + c * FP8_TILE, FP8_TILE)], layout=dequant_layout(),
+                             optimized=False)
+              q_smem[w, :, pl.ds(c * FP8_TILE, FP8_TILE)] = x.astype(jnp.float16)
+            plgpu.commit_smem()               # visible to both warpgroups' wgmmas after qbar
+            plgpu.barrier_arrive(qbar)
           if w == 0:
-            # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the
-            # previous segment, or nothing came before)
             plgpu.commit_smem()
-            bg = b * g_count + grp
-            for h in range(2):
-              q_src = qn_ref.at[bg, :, pl.ds(h * HALF, HALF)] if fp8 else q_ref.at[bg, :, pl.ds(h * HALF, HALF)]
-              plgpu.copy_gmem_to_smem(q_src, q_smem.at[h], qbar)
+            if not fp8:
+              for h in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
             if not held:
               plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(rope_col, ROPE_DIM)], qr_smem, qbar)
           qr = None

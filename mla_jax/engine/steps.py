@@ -99,8 +99,8 @@ def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence
         qdt = decode_query_dtype(cache)
         q_lat = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=h.dtype,
                            precision=prec)                                          # [B,H,Cl]
-        # each part gets its query axis before the concatenation: the mosaic kernels slice q back into its parts
-        # (fp8 cache), which XLA then takes from these operands without writing q at all
+        # each part gets its query axis before the concatenation: the swapped mosaic kernel (h < 64) slices q back
+        # into its parts (fp8 cache), which XLA then takes from these operands without writing q at all
         q = jnp.concatenate([_pad_to(q_lat.astype(qdt), LATENT_DIM)[:, None],
                              _pad_to(q_rope.astype(qdt), ROPE_DIM)[:, None]], axis=-1)  # [B,1,H,576]
         o_lat, _ = ops.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,

@@ -184,6 +184,15 @@ def timing_variants():
        dict(kernel="rows", rebase_per_page=False)),
       ("bfloat16 h128 rows rebase", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", rebase_per_page=True)),
+      # bf16: the next page's QK issued before this page's softmax (overlap_qk, opt-in)
+      ("bfloat16 h128 rows overlap qk", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", overlap_qk=True)),
+      ("bfloat16 h128 sq2 rows overlap qk", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", overlap_qk=True)),
+      ("bfloat16 h64 rows overlap qk", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", overlap_qk=True)),
+      ("bfloat16 h128 rows ragged[1..2L] overlap qk", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90",
+       dict(kernel="rows", overlap_qk=True)),
   ]
 
 

@@ -590,3 +590,58 @@ def test_swapped_kernel_lowers_for_sm90(fp8, heads):
                                 s((batch + 1,), jnp.int32), s((4, parts_padded), jnp.int32))
   text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "wgmma" in text
+
+
+# ---- bf16 rows with the next page's QK issued before this page's softmax (overlap_qk, opt-in) -------------------
+@pytest.mark.parametrize("heads,sq,lens,causal,parts", [
+    (128, 1, [130, 1, 64, 0], False, 2),   # two row groups, zero length, one-page segments, a share spans sequences
+    (64, 2, [3, 200, 100], True, 4),       # Sq 2 causal, partial last pages
+    (64, 1, [257, 70], False, 1),          # one share per row group: 5- and 2-page segments back to back
+])
+def test_rows_kernel_overlap_qk_interpret(heads, sq, lens, causal, parts):
+  """Against the float64 reference (§3's bf16-P bound), and bit-identical to the default schedule: overlapping
+  only moves when each QK is issued (interpret mode runs the same products in the same order)."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 4000, lens=lens, sq=sq, heads=heads,
+                                           dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows",
+                        overlap_qk=True)
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+  out0, lse0 = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="rows")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
+
+
+def test_rows_kernel_overlap_qk_no_races():
+  """Race detector: the next slot's QK in flight while P.V reads this slot and the producer refills the other."""
+  q, cache, table, lens = random_problem(17, lens=[200, 3], sq=1, heads=64, dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="rows", overlap_qk=True,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens, False)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+
+
+@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (128, 2, True)])
+def test_rows_kernel_overlap_qk_lowers_for_sm90(heads, sq, causal):
+  """The GPU structure (the next QK's accumulator live across the softmax and a P.V accumulating in place)
+  lowers for sm90 with the default plan's SMEM."""
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  plan = mr.make_plan(sq * heads, num_sms=8, fp8=False, overlap_qk=True)
+  assert plan.overlap_qk and not mr.make_plan(sq * heads, num_sms=8, fp8=False).overlap_qk
+  assert "mosaic_gpu" in _lower_rows_for_sm90(plan, heads=heads, sq=sq, causal=causal)
+  assert _mosaic_smem_bytes(plan, heads=heads, sq=sq, causal=causal) == plan.smem_bytes == mr.smem_bytes(2, False)
+
+
+def test_rows_kernel_overlap_qk_refusals():
+  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+  with pytest.raises(ValueError, match="overlap_qk needs a bf16 cache"):
+    mr.make_plan(128, num_sms=8, fp8=True, overlap_qk=True)
+  with pytest.raises(ValueError, match="overlap_qk needs a bf16 cache"):
+    mr.make_plan(128, num_sms=8, fp8=False, num_stages=1, overlap_qk=True)
+  q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=16, dtype="bfloat16")
+  with pytest.raises(ValueError, match="apply to the rows kernel"):
+    run_kernel(q, cache, table, lens, False, interpret=True, kernel="swapped", overlap_qk=True)

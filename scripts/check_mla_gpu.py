@@ -184,15 +184,13 @@ def timing_variants():
        dict(kernel="rows", rebase_per_page=False)),
       ("bfloat16 h128 rows rebase", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", rebase_per_page=True)),
-      # bf16: the next page's QK issued before this page's softmax (overlap_qk, opt-in)
-      ("bfloat16 h128 rows overlap qk", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="rows", overlap_qk=True)),
-      ("bfloat16 h128 sq2 rows overlap qk", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="rows", overlap_qk=True)),
-      ("bfloat16 h64 rows overlap qk", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="rows", overlap_qk=True)),
-      ("bfloat16 h128 rows ragged[1..2L] overlap qk", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90",
-       dict(kernel="rows", overlap_qk=True)),
+      # batch 64 (the V3 slice's decode batch) and the split-KV width: shares of whole sequences or not
+      ("fp8_e4m3 h128 b64 rows", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      ("fp8_e4m3 h128 b64 L4097 rows", "fp8_e4m3", 128, 1, 64, 4097, False, "mosaic_sm90", dict(kernel="rows")),
+      *((f"fp8_e4m3 h128 b64 rows parts {p}", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
+         dict(kernel="rows", num_parts=p)) for p in (32, 64, 128)),
+      ("fp8_e4m3 h128 rows parts 64", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="rows", num_parts=64)),
   ]
 
 

@@ -53,17 +53,3 @@ def test_rows_kernel_rebase_vs_float64(rebase, dtype, heads, sq, causal):
                                                                kernel="rows", rebase_per_page=rebase))(
                                                                    q, cache, table, lens)
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
-
-
-@pytest.mark.parametrize("heads,sq,causal,lens", [(128, 1, False, LENS), (64, 2, True, LENS),
-                                                  (128, 1, False, [4096] * 40 + [130, 1, 0])])
-def test_rows_kernel_overlap_qk_vs_float64(heads, sq, causal, lens):
-  """bf16 rows kernel with the next page's QK in flight through this page's softmax (Plan.overlap_qk): ragged,
-  zero and page-boundary lengths, and long uniform segments where every page but the last overlaps."""
-  from pallas_kernels.mla_decode import mosaic_sm90
-  q, cache, table, lens_a = random_problem(heads + sq + len(lens) + 11, lens=lens, sq=sq, heads=heads,
-                                           dtype="bfloat16")
-  out, lse = jax.jit(lambda q, c, t, n: mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal,
-                                                               kernel="rows", overlap_qk=True))(
-                                                                   q, cache, table, lens_a)
-  assert_matches_float64(out, lse, q, cache, table, lens_a, causal)

@@ -95,10 +95,6 @@ class Plan:
   # (the page counter >> 31), so their wgmma descriptors are rebuilt in the loop instead of kept in registers
   # across it, where ptxas spills them (NOTES.md)
   rebase_per_page: bool = True
-  # bf16 cache: the next page's QK wgmmas are issued before this page's softmax and run on the tensor cores while
-  # it does (FA3's intra-warpgroup overlap); the two warpgroups otherwise leave the tensor cores idle through
-  # the max exchange, the softmax and the P exchange of every page (NOTES.md)
-  overlap_qk: bool = False
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -128,8 +124,7 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False, prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
-              overlap_qk: bool | None = None) -> Plan:
+              fp8: bool = False, prefetch_tiles: int | None = None, rebase_per_page: bool | None = None) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
   fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md).
   Defaults (None): prefetch_tiles 2 for fp8 with one slot, else 0; rebase_per_page on."""
@@ -153,14 +148,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
                      f"got {prefetch_tiles}")
-  overlap_qk = bool(overlap_qk)
-  if overlap_qk and (fp8 or stages < 2):
-    raise ValueError(f"mosaic_sm90 rows kernel: overlap_qk needs a bf16 cache and a ring of 2+ pages (the next "
-                     f"page's QK reads its own slot while this page's P.V reads this one); got "
-                     f"{'fp8' if fp8 else 'bf16'}, {stages} slot(s)")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
-              prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page is None or bool(rebase_per_page),
-              overlap_qk=overlap_qk)
+              prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page is None or bool(rebase_per_page))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -455,72 +444,6 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.barrier_arrive(kfree if fp8 else consumed.at[slot])
             return acc, m_new, l_i
 
-          def issue_qk(s_ref, slot, z):
-            """bf16: this warpgroup's QK wgmmas of the page in `slot` into s_ref, not waited for."""
-            for cc in range(LATENT_DIM // CHUNK):
-              k_tile = ring_lat.at[slot, cc // 4, pl.ds(w * TOK, TOK), pl.ds((cc % 4) * CHUNK, CHUNK)]
-              plgpu.wgmma(s_ref, q_smem.at[cc // 4 + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)], k_tile.T)
-            plgpu.wgmma(s_ref, qr_smem, ring_rope.at[slot, pl.ds(w * TOK, TOK)].T)
-
-          def page_overlap(j, carry):
-            """overlap_qk (bf16): `page` with the next page's QK issued first, so it runs on the tensor cores
-            while this page's scores (s, carried from the previous iteration) go through the max exchange, the
-            softmax and the P exchange. The last page of a segment issues a QK of its own slot instead, whose
-            result is dropped (one extra QK per segment keeps the wgmma sequence free of conditionals). The
-            hand-offs are `page`'s: the next slot is waited for before its QK, this slot released after P.V."""
-            acc, m_i, l_i, s = carry
-            c = ctr + (j - lo)
-            slot = lax.rem(c, stages)
-            has_next = j + 1 < hi
-            nxt = jnp.where(has_next, lax.rem(c + 1, stages), slot)
-            n_valid = length - j * PAGE
-            z = lax.shift_right_logical(c, 31) if plan.rebase_per_page else 0
-
-            @pl.when(has_next)
-            def _():
-              plgpu.barrier_wait(loaded.at[nxt])
-
-            def body(s_ref):
-              issue_qk(s_ref, nxt, z)              # in flight through the softmax below
-              st = s * scale_log2
-              st = jnp.where(j * PAGE + tok_iota < limit, st, -jnp.inf)
-              m_mine = st.max(axis=1)
-              mx[w] = m_mine
-              plgpu.barrier_arrive(mbar)
-              plgpu.barrier_wait(mbar)
-              m_other = plgpu.load(mx.at[1 - w], layout=row_layout, optimized=False)
-              m_new = jnp.maximum(m_i, jnp.maximum(m_mine, m_other))
-              m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-              alpha = jnp.exp2(m_i - m_use)
-              p = jnp.exp2(st - lax.broadcast_in_dim(m_use, st.shape, [0]))
-              l_new = l_i * alpha + p.sum(axis=1)
-              o = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-              zero_tail(slot, n_valid)
-              pbuf[:, pl.ds(w * TOK, TOK)] = p.astype(dt)
-              plgpu.commit_smem()
-              plgpu.barrier_arrive(pbar)
-              plgpu.barrier_wait(pbar)
-              if on_gpu:
-                p_all = plgpu.load(pbuf, layout=plgpu.Layout.WGMMA, optimized=False)
-
-                def pv(acc_ref):
-                  plgpu.wgmma(acc_ref, p_all, ring_lat.at[slot, w])
-                  plgpu.wgmma_wait(0)              # this P.V and the next page's QK
-
-                o = pl.run_state(pv)(plgpu.ACC.init(o))
-              else:
-                def pv(acc_ref):
-                  plgpu.wgmma(acc_ref, pbuf, ring_lat.at[slot, w])
-                  plgpu.wgmma_wait(0)
-                  return acc_ref[...]
-
-                o = o + pl.run_scoped(pv, plgpu.ACC((ROWS, HALF), jnp.float32))
-              return o, m_new, l_new, s_ref[...]
-
-            acc, m_new, l_i, s_next = pl.run_scoped(body, plgpu.ACC((ROWS, TOK), jnp.float32))
-            plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_new, l_i, s_next
-
           def prefetched_pages(acc_ref, m0, l0):
             """fp8, one slot, prefetch_tiles = k: a page's P.V is issued and, while it runs, the next page of the
             segment is waited for and its first k dequant tiles loaded and converted into registers; they are
@@ -621,20 +544,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               finish(*prefetched_pages(None, m0, l0))
             return
           acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-          if plan.overlap_qk:
-            # the segment's first page: its QK alone, then every page issues the next one's QK
-            plgpu.barrier_wait(loaded.at[lax.rem(ctr, stages)])
-            z0 = lax.shift_right_logical(ctr, 31) if plan.rebase_per_page else 0
-
-            def first_qk(s_ref):
-              issue_qk(s_ref, lax.rem(ctr, stages), z0)
-              plgpu.wgmma_wait(0)
-              return s_ref[...]
-
-            s0 = pl.run_scoped(first_qk, plgpu.ACC((ROWS, TOK), jnp.float32))
-            acc, m_i, l_i, _ = lax.fori_loop(lo, hi, page_overlap, (acc0, m0, l0, s0))
-          else:
-            acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
+          acc, m_i, l_i = lax.fori_loop(lo, hi, page, (acc0, m0, l0))
           finish(acc, m_i, l_i)
 
         return ctr + jnp.maximum(hi - lo, 0)

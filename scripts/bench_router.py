@@ -1,0 +1,104 @@
+"""Device time of the MoE router and the grouping of its pairs at DeepSeek-V3 shapes (D=7168, E=256, top-8,
+8 groups, top-4 groups, noaux_tc), batch T = 1 / 16 / 64, one GPU.
+
+  python scripts/bench_router.py --out bench/results/router_h200.json [--commit SHA]
+
+Times (CUPTI, every kernel of the call): the router's logits dot in fp32 (the model's), as split-K einsums, and
+with bf16 weights (what a bf16 router weight would cost); the selection (sigmoid, bias, group top-2, top-4
+groups, top-8) with `jax.lax.top_k` and with the model's rank-based `top_k_by_rank`; the whole `Router` call; and
+`routing.align` (the grouping for the grouped W4A16 kernels). Each variant's output is compared with the
+model's. Prints a table last and writes JSON (device, jax version, commit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.config import ModelConfig, deepseek_v3_hf_config
+from mla_jax.model.moe import Router
+from pallas_kernels.testing import commit_id, device_time
+from pallas_kernels.w4a16 import api, routing
+
+SCALE = 2.5          # DeepSeek-V3's routed_scaling_factor
+
+
+def sorted_selection(scores, bias, *, k, groups, topk_group):
+  """The selection as it was written with jax.lax.top_k (the baseline): noaux_tc, norm_topk_prob, scale 2.5."""
+  t, e = scores.shape
+  choice = scores + bias
+  group_score = jax.lax.top_k(choice.reshape(t, groups, e // groups), 2)[0].sum(-1)
+  _, gidx = jax.lax.top_k(group_score, topk_group)
+  keep = jnp.repeat(jnp.any(jax.nn.one_hot(gidx, groups, dtype=jnp.bool_), axis=1), e // groups, axis=-1)
+  _, idx = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), k)
+  w = jnp.take_along_axis(scores, idx, axis=-1)
+  w = w / (w.sum(-1, keepdims=True) + 1e-20) * SCALE
+  return idx.astype(jnp.int32), w
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="bench/results/router.json")
+  ap.add_argument("--commit", default=None)
+  ap.add_argument("--ts", default="1,16,64")
+  args = ap.parse_args()
+  dev = jax.devices()[0]
+  info = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__, commit=commit_id(args.commit))
+  print(f"[info] {info}", flush=True)
+  cfg = ModelConfig.from_hf_dict(deepseek_v3_hf_config())      # the router's fields are DeepSeek-V3's
+  router = Router(cfg, rngs=nnx.Rngs(0))
+  router.e_score_correction_bias[...] = jax.random.normal(jax.random.key(5), (256,), jnp.float32) * 0.01
+  kernel, bias = router.kernel[...], router.e_score_correction_bias[...]
+  d, e = kernel.shape
+  hi = jax.lax.Precision.HIGHEST
+
+  def split_k(s):
+    return lambda x, w: jnp.einsum("tsd,sde->tse", x.astype(jnp.float32).reshape(x.shape[0], s, d // s),
+                                   w.reshape(s, d // s, e), precision=hi).sum(1)
+
+  logits_variants = {
+      "logits fp32 (model)": (lambda x, w: jnp.dot(x.astype(jnp.float32), w, precision=hi), kernel),
+      **{f"logits fp32 split-K {s}": (split_k(s), kernel) for s in (4, 8, 16)},
+      "logits bf16 weights": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
+                              kernel.astype(jnp.bfloat16)),
+  }
+  rows = []
+  for t in [int(v) for v in args.ts.split(",")]:
+    x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
+    ref_logits = jnp.dot(x.astype(jnp.float32), kernel, precision=hi)
+    for name, (fn, w) in logits_variants.items():
+      f = jax.jit(fn)
+      err = float(jnp.max(jnp.abs(f(x, w) - ref_logits)) / jnp.max(jnp.abs(ref_logits)))
+      rows.append(dict(t=t, variant=name, rel_err=err, **device_time(f, x, w)))
+    scores = jax.nn.sigmoid(ref_logits)
+    ref_idx, ref_w = router(x)
+    sel_sorted = jax.jit(lambda s, b: sorted_selection(s, b, k=8, groups=8, topk_group=4))
+    idx, w = sel_sorted(scores, bias)
+    same = bool(jnp.all(idx == ref_idx)) and float(jnp.max(jnp.abs(w - ref_w))) == 0.0
+    rows.append(dict(t=t, variant="selection lax.top_k", same_as_model=same, **device_time(sel_sorted, scores, bias)))
+    graph, state = nnx.split(router)
+    f_router = jax.jit(lambda st, x: nnx.merge(graph, st)(x))
+    rows.append(dict(t=t, variant="Router (model: fp32 dot + ranks)", **device_time(f_router, state, x)))
+    bm = api.default_block_m(t, 8, e)
+    f_align = jax.jit(lambda i, w: routing.align(i, w, e, bm))
+    rows.append(dict(t=t, variant=f"routing.align block_m {bm}", **device_time(f_align, ref_idx, ref_w)))
+    for r in rows[-len(logits_variants) - 3:]:
+      print(f"[time] T={r['t']} {r['variant']}: {r['us']:.1f} us {r.get('kernels')}", flush=True)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(dict(info=info, rows=rows), f, indent=1)
+  print(f"\n{'T':>3s} {'variant':36s} {'us':>7s} {'kernels':>7s}  note")
+  for r in rows:
+    note = f"rel_err {r['rel_err']:.1e}" if "rel_err" in r else (f"same as model: {r['same_as_model']}"
+                                                                  if "same_as_model" in r else "")
+    print(f"{r['t']:3d} {r['variant']:36s} {r['us']:7.1f} {len(r.get('kernels') or {}):7d}  {note}")
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

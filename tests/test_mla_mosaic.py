@@ -112,6 +112,49 @@ def test_schedule_kernel_matches_xla(batch, num_parts):
   assert payload[0] == np.asarray(ms.share_pages(jnp.asarray(cu_ref), num_parts))
 
 
+def _snapped_payload(pages, num_parts):
+  """share_pages' rule, written out with exact fractions: the first payload in base .. base + 7 of the lowest
+  payload + 2 * segments / shares."""
+  from fractions import Fraction
+  cu = np.concatenate([[0], np.cumsum(pages)])
+  total = int(cu[-1])
+  base = max(1, -(-total // num_parts))
+  def time(c):
+    segments = sum(int((cu[b + 1] - 1) // c - cu[b] // c + 1) for b in range(len(pages)) if pages[b] > 0)
+    return c + Fraction(2 * segments, max(1, -(-total // c)))
+  return min(range(base, base + 8), key=lambda c: (time(c), c))
+
+
+@pytest.mark.parametrize("pages,num_parts,want", [
+    ([64] * 64, 66, 64),          # batch 64 at L4096: one sequence a share instead of 63-page shares
+    ([65] * 64, 66, 65),          # L4097..4160
+    ([64] * 128, 66, 125),        # batch 128: 2-sequence shares (128) would idle 2 SMs a group for less
+    ([64] * 128, 132, 64),        # one head group (h16): one sequence a share
+    ([3, 0, 1, 5, 2], 4, None), ([0] * 5, 7, 1), ([1], 1, 1)])
+def test_split_payload_snaps_to_sequence_ends(pages, num_parts, want):
+  """The payload (XLA reference and schedule kernel) follows share_pages' rule, and for uniform batches takes whole
+  sequences where that is cheaper."""
+  pages = np.asarray(pages, np.int32)
+  expect = _snapped_payload(pages, num_parts)
+  if want is not None:
+    assert expect == want
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(jnp.asarray(pages))])
+  assert int(ms.share_pages(cu, num_parts)) == expect
+  _, _, payload = ms.schedule_kernel(jnp.asarray(pages * 64 - 5).clip(0), num_parts, page=64, interpret=True)
+  assert int(payload[0]) == expect
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_payload_rule_on_random_batches(seed):
+  rng = np.random.default_rng(seed)
+  for _ in range(10):
+    pages = rng.integers(0, 200, int(rng.integers(1, 70))).astype(np.int32)
+    pages[rng.random(len(pages)) < 0.2] = 0
+    num_parts = int(rng.integers(1, 133))
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(jnp.asarray(pages))])
+    assert int(ms.share_pages(cu, num_parts)) == _snapped_payload(pages, num_parts)
+
+
 @pytest.mark.parametrize("n,groups", [(8, 1), (32, 3)])
 def test_merge_kernel_matches_xla_combine(n, groups):
   """split_kv.merge_partials (Pallas, interpret mode) == _combine (XLA) on random partials, including

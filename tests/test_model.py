@@ -1,6 +1,5 @@
 """The NNX model and the HF safetensors loader against HF transformers golden logits (tests/fixtures)."""
 
-import dataclasses
 import functools
 import json
 import os
@@ -16,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 import mla_jax
 from conftest import HF_FIXTURES, fixture_path, load_golden
 from mla_jax.checkpoint.hf import hf_param_map, read_tensor_index
-from mla_jax.model.moe import Experts, Router, _take_last, descending_rank, top_k_by_rank
+from mla_jax.model.moe import Experts
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,68 +152,6 @@ def test_experts_ragged_dot_equals_per_token_loop_and_dense():
     xb = jnp.stack([x, x[::-1]])
     yb = nnx.jit(lambda m, *a: jax.vmap(m)(*a))(ex, xb, jnp.stack([idx, idx[::-1]]), jnp.stack([w, w[::-1]]))
     np.testing.assert_allclose(np.asarray(yb[1]), ref[::-1], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("n,k", [(256, 8), (8, 4), (32, 2), (13, 13), (5, 1)])
-def test_rank_top_k_equals_lax_top_k(n, k):
-    """The router's sort-free top-k: same values, indices and order as jax.lax.top_k (larger first, ties to the
-    lower index), with many ties, -inf entries (masked groups) and leading batch axes."""
-    rng = np.random.default_rng(n * 31 + k)
-    for trial in range(6):
-        v = (rng.integers(-3, 4, (4, 3, n)) if trial % 2 else rng.standard_normal((4, 3, n))).astype(np.float32)
-        v[rng.random(v.shape) < 0.2] = -np.inf
-        want_v, want_i = jax.lax.top_k(jnp.asarray(v), k)
-        got_v, got_i = top_k_by_rank(jnp.asarray(v), k)
-        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-        np.testing.assert_array_equal(np.asarray(_take_last(jnp.asarray(v), want_i)),
-                                      np.take_along_axis(v, np.asarray(want_i), -1))
-        rank = np.asarray(descending_rank(jnp.asarray(v)))
-        assert (np.sort(rank, -1) == np.arange(n)).all()                  # a permutation of 0..n-1 per row
-
-
-@pytest.mark.parametrize("method", ["noaux_tc", "group_limited_greedy", "greedy"])
-def test_router_selection_equals_a_top_k_reference(method):
-    """The Router (rank-based selection) against the same selection written with jax.lax.top_k, on fresh logits
-    whose scores tie within groups (quantized), for the three routing methods."""
-    _, cfg = mla_jax.load_model(fixture_path("v3_plain"), dtype="float32")
-    E, K, G = 32, 4, 8
-    cfg = dataclasses.replace(cfg, n_routed_experts=E, num_experts_per_tok=K, n_group=G, topk_group=3,
-                              topk_method=method, scoring_func="softmax" if method == "greedy" else "sigmoid")
-    router = Router(cfg, rngs=nnx.Rngs(3))
-    rng = np.random.default_rng(7)
-    router.kernel.set_value(jnp.asarray(rng.integers(-1, 2, router.kernel.shape) / 4, jnp.float32))
-    if method == "noaux_tc":
-        router.e_score_correction_bias.set_value(jnp.asarray(np.round(rng.standard_normal(E) * 4) / 16, jnp.float32))
-    x = jnp.asarray(rng.integers(-1, 2, (37, cfg.hidden_size)) / 2, jnp.float32)
-    idx, w = nnx.jit(lambda r, a: r(a))(router, x)
-
-    # x and the kernel are multiples of 1/2 and 1/4: every logit is exact in fp32 (and float64), so these are
-    # the model's scores bit for bit and only the selection differs between the two sides
-    logits = np.asarray(x, np.float64) @ np.asarray(router.kernel[...], np.float64)
-    assert (np.asarray(jnp.asarray(logits, jnp.float32), np.float64) == logits).all()
-    logits = jnp.asarray(logits, jnp.float32)
-    scores = jax.nn.softmax(logits, -1) if method == "greedy" else jax.nn.sigmoid(logits)
-    ties = [len(np.unique(row)) < E for row in np.asarray(scores)]
-    assert np.mean(ties) > 0.5                                            # exact ties in most rows
-    T = x.shape[0]
-    if method == "greedy":
-        want_w, want_i = jax.lax.top_k(scores, K)
-    else:
-        choice = scores + (router.e_score_correction_bias[...] if method == "noaux_tc" else 0.0)
-        grouped = choice.reshape(T, G, E // G)
-        gs = jax.lax.top_k(grouped, 2)[0].sum(-1) if method == "noaux_tc" else grouped.max(-1)
-        keep = jnp.repeat(jax.nn.one_hot(jax.lax.top_k(gs, cfg.topk_group)[1], G).sum(1) > 0, E // G, axis=-1)
-        if method == "noaux_tc":
-            want_i = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), K)[1]
-            want_w = jnp.take_along_axis(scores, want_i, -1)
-        else:
-            want_w, want_i = jax.lax.top_k(jnp.where(keep, scores, 0.0), K)
-    if cfg.norm_topk_prob:
-        want_w = want_w / (want_w.sum(-1, keepdims=True) + 1e-20)
-    want_w = want_w * cfg.routed_scaling_factor
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_i))
-    np.testing.assert_array_equal(np.asarray(w), np.asarray(want_w))
 
 
 def test_moe_layer_is_differentiable():

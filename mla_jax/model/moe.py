@@ -45,18 +45,18 @@ class Router(nnx.Module):
             scores = jax.nn.softmax(logits, axis=-1)
 
         if cfg.topk_method == "greedy":
-            topk_w, topk_idx = top_k_by_rank(scores, K)
+            topk_w, topk_idx = jax.lax.top_k(scores, K)
         elif cfg.topk_method == "noaux_tc":
             # Selection uses bias-corrected scores; groups ranked by the sum of their top-2 corrected scores.
             choice = scores + self.e_score_correction_bias[...]
-            group_score = top_k_by_rank(choice.reshape(T, G, E // G), 2)[0].sum(-1)      # [T, G]
+            group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)        # [T, G]
             choice = jnp.where(self._group_mask(group_score), choice, -jnp.inf)
-            _, topk_idx = top_k_by_rank(choice, K)
-            topk_w = _take_last(scores, topk_idx)                                        # unbiased weights
+            _, topk_idx = jax.lax.top_k(choice, K)
+            topk_w = jnp.take_along_axis(scores, topk_idx, axis=-1)                       # unbiased weights
         else:  # group_limited_greedy (DeepSeek-V2): groups ranked by their best expert; others' scores -> 0
             group_score = scores.reshape(T, G, E // G).max(-1)
             masked = jnp.where(self._group_mask(group_score), scores, 0.0)
-            topk_w, topk_idx = top_k_by_rank(masked, K)
+            topk_w, topk_idx = jax.lax.top_k(masked, K)
 
         if cfg.norm_topk_prob:
             topk_w = topk_w / (topk_w.sum(-1, keepdims=True) + 1e-20)
@@ -67,40 +67,9 @@ class Router(nnx.Module):
         """[T, G] group scores -> bool [T, E], True for experts in the topk_group best groups."""
         cfg = self.cfg
         G, E = cfg.n_group, cfg.n_routed_experts
-        keep = descending_rank(group_score) < cfg.topk_group                             # [T, G]
+        _, gidx = jax.lax.top_k(group_score, cfg.topk_group)                             # [T, topk_group]
+        keep = jnp.any(jax.nn.one_hot(gidx, G, dtype=jnp.bool_), axis=1)                # [T, G]
         return jnp.repeat(keep, E // G, axis=-1)
-
-
-def descending_rank(values: jax.Array) -> jax.Array:
-    """[..., n] -> int32 [..., n]: each entry's position in `jax.lax.top_k`'s order along the last axis (larger
-    first, ties to the lower index): the number of entries that come before it. For values without NaN.
-
-    The router's selections are ranks instead of `lax.top_k` because on a GPU every top_k is a sort kernel plus
-    fusions around it (three per noaux_tc router, ~15 µs of ~1.5 µs kernels a MoE layer at batch 64 on an H200),
-    while the [..., n, n] compare-and-count is one fused reduction (n = 256 experts: 65,536 compares a token)."""
-    n = values.shape[-1]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    mine, other = values[..., :, None], values[..., None, :]                              # [..., n (i), n (j)]
-    before = (other > mine) | ((other == mine) & (idx[None, :] < idx[:, None]))          # j comes before i
-    return jnp.sum(before, axis=-1, dtype=jnp.int32)
-
-
-def top_k_by_rank(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(values, k)` along the last axis, from `descending_rank`: the same values and indices in the
-    same order (a max over one selected entry and -inf is that entry, bit for bit), for values without NaN."""
-    n = values.shape[-1]
-    slot = descending_rank(values)[..., :, None] == jnp.arange(k, dtype=jnp.int32)       # [..., n, k]
-    top_values = jnp.max(jnp.where(slot, values[..., :, None], -jnp.inf), axis=-2)
-    top_idx = jnp.sum(jnp.where(slot, jnp.arange(n, dtype=jnp.int32)[:, None], 0), axis=-2)
-    return top_values, top_idx
-
-
-def _take_last(values: jax.Array, idx: jax.Array) -> jax.Array:
-    """values [..., n], idx int [..., k] -> values[..., idx] [..., k]: a masked max over n instead of a gather
-    (fuses with the selection; exact, one entry survives the mask)."""
-    n = values.shape[-1]
-    hit = idx[..., None, :] == jnp.arange(n, dtype=idx.dtype)[:, None]                   # [..., n, k]
-    return jnp.max(jnp.where(hit, values[..., :, None], -jnp.inf), axis=-2)
 
 
 class Experts(nnx.Module):

@@ -42,7 +42,7 @@ from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
-from pallas_kernels.mla_decode.split_kv import merge_partials, schedule_kernel
+from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
@@ -141,8 +141,30 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
 def share_pages(cu: jax.Array, num_parts: int) -> jax.Array:
-  """Pages per split-KV share (>= 1) for page prefix sums cu [B+1]: share p covers [p, p + 1) * this."""
-  return jnp.maximum(1, (cu[-1] + num_parts - 1) // num_parts)
+  """Pages per split-KV share (>= 1) for page prefix sums cu [B+1]: share p covers [p, p + 1) * this.
+
+  The payload is the one of base, base + 1, ..., base + SNAP_CANDIDATES - 1 (base = ceil(total / num_parts), the
+  smallest that covers the batch) with the lowest modelled time of a share, `payload + SEGMENT_PAGES *
+  segments / shares` (the first of equals): every (share, sequence) segment costs its CTA a Q load, a prologue,
+  a partial write and a merge entry, about SEGMENT_PAGES pages' work. At batch 64 and 64 pages a sequence the
+  base is 63 and cuts almost every sequence in two; 64 gives one sequence a share (fp8 h128 on an H200: -4.4%,
+  NOTES.md). Integer arithmetic, compared by cross-multiplication, so split_kv.schedule_kernel gets the same."""
+  total = cu[-1]
+  base = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  pages = cu[1:] - cu[:-1]
+  best_c = best_num = best_shares = None
+  for i in range(SNAP_CANDIDATES):
+    c = base + i
+    segments = jnp.sum(jnp.where(pages > 0, (cu[1:] - 1) // c - cu[:-1] // c + 1, 0))
+    shares = jnp.maximum(1, (total + c - 1) // c)
+    num = c * shares + SEGMENT_PAGES * segments                   # the share's modelled time x shares
+    if best_c is None:
+      best_c, best_num, best_shares = c, num, shares
+    else:
+      better = num * best_shares < best_num * shares
+      best_c, best_num, best_shares = (jnp.where(better, c, best_c), jnp.where(better, num, best_num),
+                                       jnp.where(better, shares, best_shares))
+  return best_c
 
 
 def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Array]:

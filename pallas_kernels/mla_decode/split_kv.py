@@ -1,7 +1,9 @@
 """Device-side split-KV schedule and merge for mosaic_sm90 (Pallas Triton kernels; CPU with interpret=True).
 
-Schedule: the batch's pages, in sequence order, are cut into `num_parts` equal shares of `payload` pages: share p
-covers flat pages [p * payload, (p + 1) * payload) and sequences b_first..b_last. `schedule_kernel` computes the
+Schedule: the batch's pages, in sequence order, are cut into at most `num_parts` equal shares of `payload` pages:
+share p covers flat pages [p * payload, (p + 1) * payload) and sequences b_first..b_last. The payload is the
+smallest that covers the batch or up to SNAP_CANDIDATES - 1 pages more where that cuts fewer sequences
+(mosaic_sm90.share_pages has the rule). `schedule_kernel` computes the
 page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one program; plain XLA needs ~7
 small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference the tests compare it with).
 
@@ -39,6 +41,8 @@ from pallas_kernels.mla_decode.cache import LATENT_DIM
 
 COLS = 128          # latent columns per program (merge)
 SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
+SNAP_CANDIDATES = 8  # payloads tried: base .. base + 7 pages a share (base = ceil(total pages / shares))
+SEGMENT_PAGES = 2    # what one (share, sequence) segment costs, in pages (fp8 h128 b64 on an H200, NOTES.md)
 _LN2 = math.log(2.0)
 
 
@@ -115,7 +119,29 @@ def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, nu
     return (lens + page - 1) // page
 
   total = lax.fori_loop(0, chunks, lambda c, t: t + jnp.sum(pages_of(c)), jnp.int32(0))
-  payload = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  base = jnp.maximum(1, (total + num_parts - 1) // num_parts)
+  cand = base + lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0)
+
+  def count_segments(c, carry):
+    # per candidate payload: the (share, sequence) segments of the sequences in chunk c
+    before, segments = carry
+    pg = pages_of(c)
+    incl = jnp.cumsum(pg) + before
+    first, last = (incl - pg)[None, :] // cand[:, None], (incl - 1)[None, :] // cand[:, None]
+    segments += jnp.sum(jnp.where(pg[None, :] > 0, last - first + 1, 0), axis=1)
+    return before + jnp.sum(pg), segments
+
+  _, segments = lax.fori_loop(0, chunks, count_segments,
+                              (jnp.int32(0), jnp.zeros((SNAP_CANDIDATES,), jnp.int32)))
+  shares = jnp.maximum(1, (total + cand - 1) // cand)
+  nums = cand * shares + SEGMENT_PAGES * segments
+  pick = lambda v, i: jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0) == i, v, 0))
+  payload, best_num, best_shares = base, pick(nums, 0), pick(shares, 0)
+  for i in range(1, SNAP_CANDIDATES):      # mosaic_sm90.share_pages: the first candidate of the lowest time
+    num, sh = pick(nums, i), pick(shares, i)
+    better = num * best_shares < best_num * sh
+    payload = jnp.where(better, base + i, payload)
+    best_num, best_shares = jnp.where(better, num, best_num), jnp.where(better, sh, best_shares)
   p = lax.broadcasted_iota(jnp.int32, (parts_padded,), 0)
   begin = jnp.minimum(p * payload, total)
   end = jnp.minimum(begin + payload, total)

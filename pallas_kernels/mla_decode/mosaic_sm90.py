@@ -41,8 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, e4m3_to_f16, produce_pages, scale_layout,
-                                                   share_of_part)
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -65,9 +64,6 @@ class Plan:
   num_stages: int      # page ring depth
   fp8: bool
   split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
-  # fp8: the page's [64, 128] dequant tiles (0..3) converted by integer instructions instead of cvt
-  # (sm90_shared.e4m3_to_f16); () = all by cvt
-  int_tiles: tuple[int, ...] = ()
 
   @property
   def smem_bytes(self) -> int:
@@ -115,8 +111,7 @@ MAX_ROWS_PER_CTA = 32
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None, split_p: bool | None = None,
-              int_tiles: tuple[int, ...] | None = None) -> Plan:
+              rows_per_cta: int | None = None, split_p: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -140,14 +135,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
                      f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, "
                      f"over {SMEM_LIMIT}")
-  int_tiles = tuple(sorted({int(t) for t in (int_tiles or ())}))
-  if int_tiles and not fp8:
-    raise ValueError(f"mosaic_sm90: int_tiles={int_tiles} applies to an fp8 cache (a bf16 page has nothing to "
-                     f"convert)")
-  if any(not 0 <= t < 4 for t in int_tiles):
-    raise ValueError(f"mosaic_sm90: int_tiles must name dequant tiles 0..3, got {int_tiles}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p, int_tiles=int_tiles)
+              split_p=split_p)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -296,9 +285,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           ok = (row4 < n_valid).astype(jnp.float32)
         for t in (2 * w, 2 * w + 1):
           s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
-          x = e4m3_to_f16(plgpu.load(ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * 128, 128)],
-                                     layout=dequant_layout(), optimized=True),
-                          integer=t in plan.int_tiles, on_gpu=not interpret)
+          x = plgpu.load(ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * 128, 128)], layout=dequant_layout(),
+                         optimized=True).astype(jnp.float16)
           x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
           if masked:
             ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
@@ -583,8 +571,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache). prefetch_tiles:
   the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while the previous
   page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
-  mosaic_sm90_rows.Plan); int_tiles: the fp8 dequant tiles converted with integer instructions (either kernel's
-  Plan).
+  mosaic_sm90_rows.Plan); int_tiles: the rows kernel's fp8 dequant tiles converted with integer instructions
+  (mosaic_sm90_rows.Plan).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -603,10 +591,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page, int_tiles=int_tiles)
-  if prefetch_tiles is not None or rebase_per_page is not None:
-    raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
+  if prefetch_tiles is not None or rebase_per_page is not None or int_tiles is not None:
+    raise ValueError("mosaic_sm90: prefetch_tiles, rebase_per_page and int_tiles apply to the rows kernel "
+                     "(kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p, int_tiles=int_tiles)
+                   split_p=split_p)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the

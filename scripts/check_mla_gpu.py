@@ -87,11 +87,6 @@ def correctness_cases(kind: str):
        dict(prefetch_tiles=4)),
       ("fp8 h64 sq2 rows prefetch 1 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
        dict(prefetch_tiles=1)),
-      # dequant tiles converted by integer instructions (inline PTX: interpret mode runs its jnp twin)
-      ("fp8 h128 ragged+0 rows int tiles all", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows",
-       dict(int_tiles=(0, 1, 2, 3))),
-      ("fp8 h64 sq2 rows int tiles 1,3 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
-       dict(int_tiles=(1, 3))),
   ]
 
 
@@ -196,11 +191,6 @@ def timing_variants():
          dict(kernel="rows", num_parts=p)) for p in (32, 64, 128)),
       ("fp8_e4m3 h128 rows parts 64", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", num_parts=64)),
-      # dequant conversions split between the conversion pipe (cvt) and the integer pipe (int_tiles)
-      *((f"fp8_e4m3 h128 rows int tiles {','.join(map(str, t))}", "fp8_e4m3", 128, 1, 128, 4096, False,
-         "mosaic_sm90", dict(kernel="rows", int_tiles=t)) for t in ((3,), (1, 3), (2, 3), (0, 1, 2, 3))),
-      *((f"fp8_e4m3 h128 b64 rows int tiles {','.join(map(str, t))}", "fp8_e4m3", 128, 1, 64, 4096, False,
-         "mosaic_sm90", dict(kernel="rows", int_tiles=t)) for t in ((1, 3), (0, 1, 2, 3))),
   ]
 
 

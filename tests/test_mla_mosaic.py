@@ -578,60 +578,6 @@ def test_rows_kernel_fp8_prefetch_lowers_for_sm90(k, heads, sq, causal):
   assert _mosaic_smem_bytes(plan, heads=heads, sq=sq, causal=causal) == plan.smem_bytes == mr.smem_bytes(1, True)
 
 
-# ---- fp8 rows with dequant tiles converted by integer instructions (int_tiles, opt-in) --------------------------
-def test_e4m3_bits_every_code():
-  """The integer construction gives every finite e4m3 code's value exactly (x 2^-8; -0 keeps its sign); the two NaN
-  codes give +-480 x 2^-8 (documented: the cache writer never stores them)."""
-  from pallas_kernels.mla_decode.sm90_shared import E4M3_F16_BIAS, e4m3_bits_jnp
-  codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), jnp.float8_e4m3fn)
-  want = np.asarray(codes.astype(jnp.float32))
-  got = np.asarray(e4m3_bits_jnp(codes).astype(jnp.float32)) * E4M3_F16_BIAS
-  finite = np.isfinite(want)
-  assert finite.sum() == 254
-  np.testing.assert_array_equal(got[finite], want[finite])
-  assert np.signbit(got[0x80]) and not np.signbit(got[0])
-  np.testing.assert_array_equal(got[~finite], [480.0, -480.0])
-
-
-@pytest.mark.parametrize("heads,sq,lens,causal,parts,tiles,prefetch", [
-    (64, 1, [70, 0, 5], False, 3, (0, 1, 2, 3), None),   # every tile; zero length; partial last pages
-    (128, 1, [130, 1, 64], False, 2, (1, 3), None),      # one prefetched and one late tile (default prefetch 2)
-    (64, 2, [3, 200, 100], True, 4, (0, 2), 0),          # Sq 2 causal, no prefetch
-])
-def test_rows_kernel_fp8_int_tiles_interpret(heads, sq, lens, causal, parts, tiles, prefetch):
-  """Bit-identical to the cvt conversion (both exact), and within the float64 reference's bound."""
-  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 3000, lens=lens, sq=sq, heads=heads,
-                                           dtype="fp8_e4m3")
-  kw = dict(interpret=True, num_parts=parts, kernel="rows", prefetch_tiles=prefetch)
-  out, lse = run_kernel(q, cache, table, lens_a, causal, int_tiles=tiles, **kw)
-  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
-  assert res["ok"], res
-  out0, lse0 = run_kernel(q, cache, table, lens_a, causal, **kw)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out0, np.float32))
-  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
-
-
-@pytest.mark.parametrize("tiles,heads,sq,causal", [((0, 1, 2, 3), 128, 1, False), ((1, 3), 64, 2, True)])
-def test_rows_kernel_fp8_int_tiles_lowers_for_sm90(tiles, heads, sq, causal):
-  """The inline-PTX conversion lowers in the GPU build; SMEM unchanged."""
-  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  plan = mr.make_plan(sq * heads, num_sms=8, fp8=True, int_tiles=tiles)
-  text = _lower_rows_for_sm90(plan, heads=heads, sq=sq, causal=causal)
-  assert "mosaic_gpu" in text
-  assert _mosaic_smem_bytes(plan, heads=heads, sq=sq, causal=causal) == mr.smem_bytes(1, True)
-
-
-def test_rows_kernel_int_tiles_refusals():
-  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
-  with pytest.raises(ValueError, match="applies to an fp8 cache"):
-    mr.make_plan(128, num_sms=8, fp8=False, int_tiles=(0,))
-  with pytest.raises(ValueError, match="int_tiles must name dequant tiles"):
-    mr.make_plan(128, num_sms=8, fp8=True, int_tiles=(4,))
-  q, cache, table, lens = random_problem(3, lens=[70, 5], sq=1, heads=16, dtype="fp8_e4m3")
-  with pytest.raises(ValueError, match="apply to the rows kernel"):
-    run_kernel(q, cache, table, lens, False, interpret=True, kernel="swapped", int_tiles=(0,))
-
-
 def test_rows_kernel_prefetch_refusals():
   from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
   with pytest.raises(ValueError, match="fp8 cache with a 1-slot ring"):

@@ -561,8 +561,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                num_stages: int | None = None, rows_per_cta: int | None = None,
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None,
-               rebase_per_page: bool | None = None,
-               int_tiles: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+               rebase_per_page: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -571,8 +570,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache). prefetch_tiles:
   the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while the previous
   page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
-  mosaic_sm90_rows.Plan); int_tiles: the rows kernel's fp8 dequant tiles converted with integer instructions
-  (mosaic_sm90_rows.Plan).
+  mosaic_sm90_rows.Plan).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -590,10 +588,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                        "holds 64 rows per CTA and rounds P to bf16 (pass kernel='swapped' to use them)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page, int_tiles=int_tiles)
-  if prefetch_tiles is not None or rebase_per_page is not None or int_tiles is not None:
-    raise ValueError("mosaic_sm90: prefetch_tiles, rebase_per_page and int_tiles apply to the rows kernel "
-                     "(kernel='rows')")
+                            prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page)
+  if prefetch_tiles is not None or rebase_per_page is not None:
+    raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -64,8 +64,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, e4m3_to_f16, produce_pages, scale_layout,
-                                                   share_of_part)
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -96,10 +95,6 @@ class Plan:
   # (the page counter >> 31), so their wgmma descriptors are rebuilt in the loop instead of kept in registers
   # across it, where ptxas spills them (NOTES.md)
   rebase_per_page: bool = True
-  # fp8: which of a warpgroup's 4 [32, 128] dequant tiles are converted with integer instructions
-  # (sm90_shared.e4m3_to_f16: prmt / shl / and, then x 2^8) instead of cvt, so the conversions of one page use both
-  # the integer and the conversion pipe; () = every tile by cvt
-  int_tiles: tuple[int, ...] = ()
 
   @property
   def n(self) -> int:  # rows per CTA, as mosaic_sm90.Plan names it
@@ -129,8 +124,7 @@ def smem_bytes(stages: int, fp8: bool = False) -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False, prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
-              int_tiles: tuple[int, ...] | None = None) -> Plan:
+              fp8: bool = False, prefetch_tiles: int | None = None, rebase_per_page: bool | None = None) -> Plan:
   """Row groups, split-KV width and ring depth. Default depth: 2 pages for a bf16 cache, 1 for fp8 (2 fp8 slots
   fit only without the rope copies, Q's rope then in registers; 3% slower than 1 slot on an H200, NOTES.md).
   Defaults (None): prefetch_tiles 2 for fp8 with one slot, else 0; rebase_per_page on."""
@@ -154,16 +148,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if not 0 <= prefetch_tiles <= LATENT_DIM // FP8_TILE:
     raise ValueError(f"mosaic_sm90 rows kernel: prefetch_tiles must be in [0, {LATENT_DIM // FP8_TILE}], "
                      f"got {prefetch_tiles}")
-  int_tiles = tuple(sorted({int(t) for t in (int_tiles or ())}))
-  if int_tiles and not fp8:
-    raise ValueError(f"mosaic_sm90 rows kernel: int_tiles={int_tiles} applies to an fp8 cache (a bf16 page has "
-                     f"nothing to convert)")
-  if any(not 0 <= t < LATENT_DIM // FP8_TILE for t in int_tiles):
-    raise ValueError(f"mosaic_sm90 rows kernel: int_tiles must name dequant tiles 0..{LATENT_DIM // FP8_TILE - 1}, "
-                     f"got {int_tiles}")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), num_stages=stages, fp8=bool(fp8),
-              prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page is None or bool(rebase_per_page),
-              int_tiles=int_tiles)
+              prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page is None or bool(rebase_per_page))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -277,8 +263,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           for t in range(LATENT_DIM // FP8_TILE):
             s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
             cols = pl.ds((t % 2) * FP8_TILE, FP8_TILE)
-            x = e4m3_to_f16(plgpu.load(ring_lat.at[slot, t // 2, toks, cols], layout=dequant_layout(),
-                                       optimized=True), integer=t in plan.int_tiles, on_gpu=on_gpu)
+            x = plgpu.load(ring_lat.at[slot, t // 2, toks, cols], layout=dequant_layout(),
+                           optimized=True).astype(jnp.float16)
             x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
             if masked:
               ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
@@ -304,9 +290,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           out = []
           for t in ts:
             s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
-            x = e4m3_to_f16(plgpu.load(ring_lat.at[slot, t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)],
-                                       layout=dequant_layout(), optimized=True),
-                            integer=t in plan.int_tiles, on_gpu=on_gpu)
+            x = plgpu.load(ring_lat.at[slot, t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)],
+                           layout=dequant_layout(), optimized=True).astype(jnp.float16)
             x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
             if masked:
               ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)

@@ -8,16 +8,10 @@
 """
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic import gpu as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm, vector
 
 
 def share_of_part(sched_ref, cu_ref, part):
@@ -83,58 +77,3 @@ def scale_layout():
   (a reduction inside each thread: no cross-warp scratch)."""
   return plgpu.Layout.TILED(plgpu.Tiling(((32, 4), (8, 4), (4, 4))), warp_dims=(-6,),
                             lane_dims=(-2, plgpu.Replicated(8)), vector_dim=-1)
-
-
-# ---- e4m3 -> f16 on the integer pipe ---------------------------------------------------------------------------
-# An e4m3 byte b = s eeee mmm read as f16 bits s 0eeee mmm0000000 is exactly b's value x 2^-8 (f16's exponent bias
-# is 8 more than e4m3's; e4m3 subnormals land on f16 subnormals, 2^-17 and up, exact). Per pair of bytes: one prmt
-# builds two 16-bit lanes (sign-replicated byte above the byte), one shl by 7 and one and (0xBF80 a lane) leave
-# the sign at bit 15 and the 7 low bits at 7..13. Three integer instructions a pair instead of one cvt on the
-# conversion pipe (Mosaic lowers astype(f16) to cvt.rn.f16x2.e4m3x2), so a dequant can spread its conversions over
-# both pipes. e4m3's NaN codes (0x7F, 0xFF) come out as +-480 x 2^-8, not NaN: the cache writer saturates and
-# never stores them.
-E4M3_F16_BIAS = 256.0          # what the bit pattern's value is multiplied by
-
-
-def _e4m3_pair_asm(selector: int) -> str:
-  return ("{\n.reg .b32 t;\n" f"prmt.b32 t, $1, $1, {selector:#06x};\n" "shl.b32 t, t, 7;\n"
-          "and.b32 $0, t, 0xBF80BF80;\n}")
-
-
-@functools.lru_cache(maxsize=None)
-def _e4m3_bits_gpu(shape: tuple[int, ...]):
-  out_type = plgpu.ShapeDtypeStruct(shape, jnp.float16, layout=dequant_layout())
-
-  @plgpu.inline_mgpu(arg_types=(dequant_layout(),), return_type=out_type)
-  def convert(_ctx, x):
-    i32 = ir.IntegerType.get_signless(32)
-    regs = np.empty(x.registers.shape, dtype=object)
-    for idx in np.ndindex(*x.registers.shape):
-      reg = x.registers[idx]                                      # vector<8 x f8E4M3FN>: 8 consecutive columns
-      n = ir.VectorType(reg.type).shape[0]
-      words = vector.bitcast(ir.VectorType.get((n // 4,), i32), reg)
-      out = []
-      for k in range(n // 4):
-        w = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
-        # bytes (0, 1) -> lanes of the first f16x2 word, bytes (2, 3) -> the second; 8 + byte = its sign
-        out += [llvm.inline_asm(i32, [w], _e4m3_pair_asm(sel), "=r,r") for sel in (0x9180, 0xB3A2)]
-      vec = vector.from_elements(ir.VectorType.get((len(out),), i32), out)
-      regs[idx] = vector.bitcast(ir.VectorType.get((n,), ir.F16Type.get()), vec)
-    return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
-
-  return convert
-
-
-def e4m3_bits_jnp(x):
-  """The same bit construction in jax.numpy (interpret mode; tests): e4m3 array -> f16 = value x 2^-8."""
-  b = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint16)
-  lanes = b | jnp.where(b >= 128, jnp.uint16(0xFF00), jnp.uint16(0))
-  return lax.bitcast_convert_type((lanes << 7) & jnp.uint16(0xBF80), jnp.float16)
-
-
-def e4m3_to_f16(x, *, integer: bool, on_gpu: bool):
-  """An e4m3 tile in dequant_layout() -> f16, exact either way: cvt (integer False) or the integer-pipe bits x 2^8."""
-  if not integer:
-    return x.astype(jnp.float16)
-  bits = _e4m3_bits_gpu(tuple(x.shape))(x) if on_gpu else e4m3_bits_jnp(x)
-  return bits * jnp.float16(E4M3_F16_BIAS)

@@ -7,7 +7,8 @@ Times (CUPTI, every kernel of the call): the router's logits dot in fp32 (the mo
 with bf16 weights (what a bf16 router weight would cost); the selection (sigmoid, bias, group top-2, top-4
 groups, top-8) written with `jax.lax.top_k` as the model writes it; the whole `Router` call; and `routing.align`
 (the grouping for the grouped W4A16 kernels). Each variant's output is compared with the model's. (A sort-free
-rank-based top-k was measured at 2d323df: selection 15-17 us against 13.9 at T=64, no gain; it was reverted.) Prints a table last and writes JSON (device, jax version, commit).
+rank-based top-k was measured at 2d323df: selection 15-17 us against 13.9 at T=64, no gain; it was reverted.)
+Prints a table last and writes JSON (device, jax version, commit).
 """
 from __future__ import annotations
 

@@ -33,10 +33,8 @@ VARIANTS = {
     "n64 k32 wg2 regA": dict(n=64, k_per_call=32, warpgroups=2, a_in_registers=True),
     "n128 k32 wg2 regA": dict(n=128, k_per_call=32, warpgroups=2, a_in_registers=True),
     # A built per chunk as the kernel's consumers do (word loads, decode, fma fold), 1-4 warpgroups
-    **{f"n8 k64 wg{w} decode": dict(n=8, k_per_call=64, warpgroups=w, a_in_registers=True, decode="prmt")
+    **{f"n8 k64 wg{w} decode": dict(n=8, k_per_call=64, warpgroups=w, a_in_registers=True, decode=True)
        for w in (1, 2, 3, 4)},
-    "n8 k64 wg2 paired": dict(n=8, k_per_call=64, warpgroups=2, a_in_registers=True, decode="paired"),
-    "n8 k64 wg4 paired": dict(n=8, k_per_call=64, warpgroups=4, a_in_registers=True, decode="paired"),
 }
 
 

@@ -96,7 +96,7 @@ def test_layout_and_manifest(dirs):
     m = json.load(open(os.path.join(d, "manifest.json")))
     assert m["format"] == "mla_jax.converted" and m["storage_dtype"] == "float32" and m["quantization"]
     assert sorted(os.listdir(os.path.join(d, "weights"))) == ["layers.0", "layers.1", "layers.2", "model"]
-    assert m["version"] == converted.VERSION == 2
+    assert m["version"] == converted.VERSION == 3
     # q_a_proj [in 32, out 24]: K padded to one 256-row chunk (32 words), N to 64 columns
     e = m["tensors"]["layers.1.self_attn.q_a_proj.packed"]
     assert e["shape"] == [32, 64] and e["dtype"] == "int32" and e["group"] == "layers.1" and "stored_as" not in e
@@ -105,6 +105,40 @@ def test_layout_and_manifest(dirs):
     assert m["tensors"]["layers.1.mlp.experts.w13_scales"]["shape"] == [8, 32, 128]
     # no temporary directories left next to the output
     assert not [p for p in os.listdir(dirs["root"]) if ".tmp-" in p]
+
+
+def test_version_2_directory_is_repacked_at_load(dirs, tmp_path, monkeypatch, caplog):
+    """A directory written by the version 2 converter (AWQ words in the layout's version 2 order) loads to the
+    same parameters as a version 3 one, on the host path and through the sharded (orbax-into-shardings) path."""
+    import jax
+    from pallas_kernels.w4a16 import layout
+    v2 = str(tmp_path / "awq_v2")
+    v3_pack_q = layout.pack_q
+    with monkeypatch.context() as mp:     # the version 2 converter: version 2 word order, version 2 manifest
+        mp.setattr(converted, "VERSION", 2)
+        mp.setattr(layout, "pack_q", lambda q, xp=np: layout.swap_word_halves(v3_pack_q(q, xp=xp), xp=xp))
+        converted.convert_checkpoint(dirs["awq"], v2, progress=False)
+    m = json.load(open(os.path.join(v2, "manifest.json")))
+    assert m["version"] == 2
+    ref = flat_params(mla_jax.load_model(dirs["awq_conv"], "float32")[0])
+    words = "layers.1.mlp.experts.w13_packed"
+    group = [n for n, e in m["tensors"].items() if e["group"] == "layers.1"]
+    stored = converted._restore_group(os.path.join(v2, "weights", "layers.1"), group)[words]
+    assert not np.array_equal(stored, ref[words])           # the stored words really are in the other order
+    with caplog.at_level("INFO", logger="mla_jax.checkpoint.converted"):
+        host = flat_params(converted.load_converted(v2, "float32")[0])
+    assert "repacked to version 3" in caplog.text
+    sharded = flat_params(converted.load_converted(
+        v2, "float32", verify_checksums=False,
+        sharding_for=lambda _p, _shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))[0])
+    for loaded in (host, sharded):
+        assert loaded.keys() == ref.keys()
+        for name in ref:
+            np.testing.assert_array_equal(loaded[name], ref[name], err_msg=name)
+    m["version"] = 1
+    json.dump(m, open(os.path.join(v2, "manifest.json"), "w"))
+    with pytest.raises(ValueError, match="re-run scripts/convert.py"):
+        converted.load_converted(v2, "float32")
 
 
 def test_overwrite_rules_and_failed_conversion(dirs, tmp_path):

@@ -39,11 +39,26 @@ def test_pack_roundtrip_and_layout(g):
   q, z, s = rand_awq(rng, 3 * g, 200, g, lead=(2,))
   w = layout.pack(q, z, s, g, xp=np)
   assert w.packed.shape == (2, layout.padded_k(3 * g) // 8, 256) and w.k == 3 * g and w.n == 200
-  # the documented bit position: word (32c + r, n), nibble j = q[256c + 32j + r, n]
-  c, r, j, n = 0, 5, 3, 77
-  kk = 256 * c + 32 * j + r
-  if kk < 3 * g:
-    assert (int(w.packed[1, 32 * c + r, n]) >> (4 * j)) & 0xF == q[1, kk, n]
+  # every documented bit position (format version 3): word (32 c + 2 i + h, n), bits 4 m + 16 u hold
+  # q[256 c + 32 (4 h + m) + 2 i + u, n]; rows past K are zero
+  words = w.packed.view(np.uint32)
+  k_pad = layout.padded_k(3 * g)
+  q_pad = np.zeros((2, k_pad, 256), np.int64)
+  q_pad[:, :3 * g, :200] = q
+  for c in range(k_pad // 256):
+    for h in range(2):
+      for i in range(16):
+        for m in range(4):
+          for u in range(2):
+            got = (words[:, 32 * c + 2 * i + h, :] >> (4 * m + 16 * u)) & 0xF
+            np.testing.assert_array_equal(got, q_pad[:, 256 * c + 32 * (4 * h + m) + 2 * i + u, :])
+  # version 2 (bits 4 j of word 32 c + r hold q[256 c + 32 j + r]) is the halves transpose of version 3
+  v2 = layout.swap_word_halves(w.packed, xp=np).view(np.uint32)
+  for j in range(8):
+    got = ((v2.reshape(2, -1, 32, 256) >> (4 * j)) & 0xF).reshape(2, -1, 256)
+    np.testing.assert_array_equal(got, q_pad.reshape(2, -1, 8, 32, 256)[:, :, j].reshape(2, -1, 256))
+  np.testing.assert_array_equal(layout.swap_word_halves(layout.swap_word_halves(w.packed, xp=np), xp=np),
+                                w.packed)
   q2, z2, s2 = layout.unpack(to_device(w))
   np.testing.assert_array_equal(np.asarray(q2), q)
   np.testing.assert_array_equal(np.asarray(z2), z)

@@ -70,8 +70,9 @@ def test_dense_kernel_lowers_for_sm90(m, g, splits, overlap, persistent):
   text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(splits=splits, overlap=overlap, persistent=persistent,
                                                                        num_ctas=132)), x, w)
   assert "mosaic_gpu" in text
-  for needle in ("prmt.b32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
+  for needle in ("shr.u32", "lop3.b32", "wgmma", "setmaxnreg"):      # the GPU path, not the interpret one
     assert needle in text, needle
+  assert "prmt" not in text        # format version 3 decodes with a shift and a lop3 per register
 
 
 @pytest.mark.parametrize("g,planes", [(64, 2), (128, 4)])
@@ -272,7 +273,7 @@ def test_moe_interpret_block_m_8_vs_float64():
                                     dict(ablate="compute_only+fold+decode+words", planes_per_wgmma=2),
                                     dict(ablate="load_only+nosz"),
                                     dict(ablate="nox+nosz", convert_in_producer=True, fold="fma"),
-                                    dict(ablate="compute_only+scales+corr+paired", convert_in_producer=True,
+                                    dict(ablate="compute_only+scales+corr", convert_in_producer=True,
                                          fold="fma", planes_per_wgmma=2),
                                     dict(ablate="fold", convert_in_producer=True, fold="fma")])
 def test_block_m_8_and_ablations_lower_for_sm90(config):
@@ -608,12 +609,12 @@ def test_wgmma_probe_lowers_for_sm90(n, k, wgs, regs):
     wgmma_probe.wgmma_steps(n=n, k_per_call=24, calls=1, iters=1, warpgroups=1, a_in_registers=regs, num_ctas=1)
 
 
-@pytest.mark.parametrize("decode, wgs", [("prmt", 2), ("paired", 4)])
-def test_wgmma_probe_with_decode_lowers_for_sm90(decode, wgs):
+@pytest.mark.parametrize("wgs", [2, 4])
+def test_wgmma_probe_with_decode_lowers_for_sm90(wgs):
   from pallas_kernels.w4a16 import wgmma_probe
   f = wgmma_probe.wgmma_steps(n=8, k_per_call=64, calls=4, iters=3, warpgroups=wgs, a_in_registers=True,
-                              num_ctas=132, decode=decode)
+                              num_ctas=132, decode=True)
   assert "wgmma" in f.trace().lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(ValueError, match="decode"):
     wgmma_probe.wgmma_steps(n=8, k_per_call=64, calls=2, iters=1, warpgroups=1, a_in_registers=True, num_ctas=1,
-                            decode="prmt")
+                            decode=True)

@@ -2,7 +2,7 @@
 
     DST/
       config.json, tokenizer files, ...   copied from the HF source unchanged (quantization_config included)
-      manifest.json                       {"format": "mla_jax.converted", "version": 2, "storage_dtype", "groups",
+      manifest.json                       {"format": "mla_jax.converted", "version": 3, "storage_dtype", "groups",
                                            "tensors": {name: {"group", "shape", "dtype", "crc32"}}}
       weights/<group>/                    one orbax PyTree checkpoint per group: "model" (embeddings, final norm,
                                           lm_head) and "layers.<i>" per decoder layer; keys are the names below
@@ -14,8 +14,13 @@ a read and a device_put: no transposes, no AWQ repacking, no expert stacking. (i
 parameter uses today, would be stored two per byte: uint8, low nibble first, as XLA holds int4.) Floating-point
 parameters that follow the model dtype are stored in the source checkpoint's dtype (the widest float dtype
 among them, so nothing is rounded) and cast at load, exactly as the HF loader casts; fixed-dtype parameters
-(fp32 router, AWQ) are stored as held. Version 1 directories (AWQ as unpacked int4) must be re-converted. Per-layer groups keep the converter's host memory at one layer
-and let a loader stream.
+(fp32 router, AWQ) are stored as held. Per-layer groups keep the converter's host memory at one layer and let a
+loader stream.
+
+Versions: 3 holds the AWQ words in the packed layout's version 3 order (pallas_kernels/w4a16/layout.py). Version 2
+directories (the layout's version 2 word order) still load: their int32 word arrays are repacked at load, a
+transpose of 16-bit halves per pair of word rows (`layout.swap_word_halves`), on the host or on the devices; re-run
+scripts/convert.py to skip that pass. Version 1 directories (AWQ as unpacked int4) must be re-converted.
 
 `load_converted` checks names, shapes and dtypes against both the manifest and the model built from config.json,
 and (by default) each tensor's crc32, raising an error that names the bad tensor.
@@ -42,11 +47,14 @@ from mla_jax.checkpoint.files import replace_dir
 from mla_jax.checkpoint.hf import hf_param_map, load_hf_weights, read_tensor_index, resolve_dtype
 from mla_jax.config import ModelConfig
 from mla_jax.model.transformer import DeepseekV3
+from pallas_kernels.w4a16 import layout
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "mla_jax.converted"
-VERSION = 2   # 2: AWQ weights in the packed w4a16 layout (1: unpacked int4; re-convert)
+VERSION = 3   # 3: AWQ words in the w4a16 layout's version 3 order (2: version 2 order, repacked at load;
+              # 1: unpacked int4, re-convert)
+_REPACK_VERSIONS = (2,)   # versions whose AWQ word arrays load through layout.swap_word_halves
 MANIFEST = "manifest.json"
 WEIGHTS = "weights"
 # int4 tensors are stored as uint8 [..., n/2], element 2i in the low nibble of byte i; crc32 is of those bytes.
@@ -269,9 +277,15 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
                          "sees a whole sharded array, so its crc32 cannot be checked)")
     path = os.path.abspath(os.fspath(path))     # orbax takes absolute paths only
     manifest = read_json(os.path.join(path, MANIFEST), "the converted checkpoint's manifest.json")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r}"
-                         f" is not {FORMAT!r} version {VERSION}; re-run scripts/convert.py")
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or version not in (VERSION, *_REPACK_VERSIONS):
+        raise ValueError(f"{path}/{MANIFEST}: format {manifest.get('format')!r} version {version!r}"
+                         f" is not {FORMAT!r} version {VERSION} (or {_REPACK_VERSIONS}, repacked at load); re-run "
+                         f"scripts/convert.py")
+    repack = version != VERSION
+    if repack:
+        logger.info("%s: converted format version %s; its AWQ words are repacked to version %d at load (re-run "
+                    "scripts/convert.py to skip this)", path, version, VERSION)
     cfg = ModelConfig.from_pretrained(path)
     jdtype = resolve_dtype(dtype)
     model, params = _abstract_params(cfg, jdtype)
@@ -289,15 +303,23 @@ def load_converted(path, dtype: Any = "float32", *, put: Optional[Callable[[tupl
                                  f"{names[0]!r}); re-run scripts/convert.py")
             if sharding_for is None:
                 _load_group(model, params, entries, gdir, names, path, put or (lambda _p, a: jax.device_put(a)),
-                            pool if verify_checksums else None)
+                            pool if verify_checksums else None, repack)
             else:
-                _load_group_sharded(model, params, entries, gdir, names, path, sharding_for)
+                _load_group_sharded(model, params, entries, gdir, names, path, sharding_for, repack)
     return model, cfg
 
 
+def _is_awq_words(name: str, dtype) -> bool:
+    """The int32 word arrays of the packed w4a16 layout (AWQLinear.packed, AWQExperts.w13_packed / w2_packed)."""
+    return name.rsplit(".", 1)[-1].endswith("packed") and np.dtype(dtype) == np.int32
+
+
 def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
-                put: Callable[[tuple, np.ndarray], jax.Array], checksum_pool: Optional[ThreadPoolExecutor]) -> None:
-    """One group read to the host, checked against the manifest (and crc32 with a pool), unpacked and put."""
+                put: Callable[[tuple, np.ndarray], jax.Array], checksum_pool: Optional[ThreadPoolExecutor],
+                repack: bool = False) -> None:
+    """One group read to the host, checked against the manifest (and crc32 with a pool), unpacked and put.
+    repack: AWQ words of an older word order (_REPACK_VERSIONS) go through layout.swap_word_halves after the
+    checksums (which are of the stored bytes)."""
     with restoring(gdir):
         arrays = _restore_group(gdir, names)
     for name in names:
@@ -322,12 +344,15 @@ def _load_group(model, params: dict, entries: dict, gdir: str, names: list[str],
             a = unpack_nibbles_host(a)   # one pass; cheaper than a per-shape device compile
         elif a.dtype != want.dtype:
             a = a.astype(want.dtype)
+        if repack and _is_awq_words(name, a.dtype):
+            a = layout.swap_word_halves(a, xp=np)
         _variable(model, p).set_value(put(p, a))
 
 
 def _load_group_sharded(model, params: dict, entries: dict, gdir: str, names: list[str], path: str,
-                        sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding]) -> None:
-    """One group restored by orbax straight into sharding_for's shardings; int4 unpacked on the devices."""
+                        sharding_for: Callable[[tuple, tuple], jax.sharding.Sharding], repack: bool = False) -> None:
+    """One group restored by orbax straight into sharding_for's shardings; int4 unpacked and (repack) older AWQ
+    word orders repacked on the devices."""
     import orbax.checkpoint as ocp
 
     args, stored = {}, {}
@@ -357,6 +382,9 @@ def _load_group_sharded(model, params: dict, entries: dict, gdir: str, names: li
                              f"{tuple(a.shape)}, expected {dtype}{shape}")
         if dtype != want.dtype:
             a = jax.jit(_unpack_nibbles, out_shardings=sharding)(a)
+        if repack and _is_awq_words(name, a.dtype):
+            # pairs of word rows never straddle devices: a row split of the layout is whole 256-row chunks
+            a = jax.jit(layout.swap_word_halves, out_shardings=sharding)(a)
         _variable(model, p).set_value(a)
 
 

@@ -1,19 +1,25 @@
-"""The packed int4 weight format the w4a16 kernels read (docs/architecture.md §4).
+"""The packed int4 weight format the w4a16 kernels read (docs/architecture.md §4), version 3 ("paired").
 
 A quantized linear y = x @ W, W [K, N] = (q - z[g]) * s[g] with q, z unsigned 4-bit and g = k // G (AutoAWQ's
-zero-point scheme), is stored as three arrays. K is cut into chunks of CHUNK_K = 256 rows:
+zero-point scheme), is stored as three arrays. K is cut into chunks of CHUNK_K = 256 rows, each chunk into 8
+planes of 32 rows (plane j = rows [32 j, 32 j + 32) of the chunk, h = j // 4, m = j % 4):
 
-  packed  int32   [..., K_pad/8, N_pad]   word (32 c + r, n) holds, in nibble j (bits 4j..4j+3),
-                                          q[256 c + 32 j + r, n]
+  packed  int32   [..., K_pad/8, N_pad]   word (32 c + 2 i + h, n) holds, in bits 4 m + 16 u .. + 3 (u = 0, 1),
+                                          q[256 c + 32 j + 2 i + u, n]
   scales  float16 [..., K_pad/G, N_pad]   s[g, n]
   zeros   uint8   [..., K_pad/G, N_pad]   z[g, n]
 
-Why this order: a kernel reads a chunk as a [32, BN] tile of words (rows of BN contiguous words), and decoding
-nibble j of the whole tile yields the 32 contiguous K rows [32 j, 32 j + 32) of the chunk for all BN columns:
-8 matrix products [rows, 32] x [32, BN] per chunk, with no shuffle of decoded values, and each product lies
-inside one quantization group for G in 32, 64, 128. K is padded to a multiple of 256 and N to a multiple of 64
-with q = z = s = 0 (those rows and columns contribute exactly 0). Leading dimensions (experts) are kept.
+Why this order: a kernel reads a chunk as a [32, BN] tile of words (rows of BN contiguous words). The even word
+rows hold planes 0..3, the odd ones planes 4..7, and each 16-bit half of a word holds one of two neighbouring K
+rows. So one shift and one lop3 turn a word into the bf16 pair (128 + q) of K rows (2 i, 2 i + 1) of one plane,
+which is what one register of a wgmma A fragment holds (mosaic_sm90.py): no byte permute. Every plane lies inside
+one quantization group for G in 32, 64, 128. K is padded to a multiple of 256 and N to a multiple of 64 with
+q = z = s = 0 (those rows and columns contribute exactly 0). Leading dimensions (experts) are kept.
 Bytes per weight: 1/2 + 3/G (fp16 scale and one zero byte per group and column; AutoAWQ: 1/2 + 5/(2G)).
+
+Version 2 (converted directories written before 2026-12-04) held q[256 c + 32 j + r, n] in bits 4 j of word
+(32 c + r, n). The two orders differ by a transpose of 16-bit halves within each pair of word rows
+(`swap_word_halves`, its own inverse), so a version 2 directory is repacked at load without unpacking.
 """
 from __future__ import annotations
 
@@ -83,6 +89,25 @@ def _check_nibbles(name: str, a) -> None:
     raise ValueError(f"w4a16 pack: {name} holds values outside 0..15 (min {a.min()}, max {a.max()}).")
 
 
+def swap_word_halves(words, xp=jnp):
+  """Words [..., 2 P, N] -> the same shape with the 16-bit halves of each pair of rows (2 i, 2 i + 1) transposed:
+  row 2 i becomes (low half of row 2 i | low half of row 2 i + 1 << 16), row 2 i + 1 (high half of 2 i | high
+  half of 2 i + 1 << 16). Maps packed format version 2 to 3 and back (it is its own inverse); int32 or uint32."""
+  *lead, rows, n = words.shape
+  if rows % 2:
+    raise ValueError(f"w4a16 swap_word_halves: {rows} word rows; the halves pair rows, so need an even count.")
+  u = words.view(np.uint32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.uint32)
+  u = u.reshape(*lead, rows // 2, 2, n)
+  even, odd = u[..., 0, :], u[..., 1, :]
+  lo16 = xp.uint32(0xFFFF)
+  new_even = (even & lo16) | (odd << xp.uint32(16))
+  new_odd = (even >> xp.uint32(16)) | (odd & xp.uint32(0xFFFF0000))
+  out = xp.stack([new_even, new_odd], axis=-2).reshape(*lead, rows, n)
+  if xp is np:
+    return out.view(words.dtype)
+  return jax.lax.bitcast_convert_type(out, words.dtype)
+
+
 def pack_q(q, xp=jnp):
   """q [..., K, N] (integers 0..15) -> packed int32 words [..., K_pad/8, N_pad] (the module docstring's order)."""
   *lead, k, n = q.shape
@@ -92,9 +117,10 @@ def pack_q(q, xp=jnp):
   qp = xp.pad(xp.asarray(q).astype(xp.uint32), [(0, 0)] * len(lead) + [(0, k_pad - k), (0, n_pad - n)])
   qp = qp.reshape(*lead, k_pad // CHUNK_K, NIBBLES, PLANE_K, n_pad)       # row 256 c + 32 j + r
   shifts = (xp.arange(NIBBLES, dtype=xp.uint32) * 4)[:, None, None]       # [8, 1, 1]
-  words = (qp << shifts).sum(axis=-3, dtype=xp.uint32)                    # [..., K_pad/256, 32, N_pad]
+  words = (qp << shifts).sum(axis=-3, dtype=xp.uint32)                    # version 2: bits 4 j of row r
   words = words.reshape(*lead, k_pad // NIBBLES, n_pad)
-  return words.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
+  words = words.view(np.int32) if xp is np else jax.lax.bitcast_convert_type(words, jnp.int32)
+  return swap_word_halves(words, xp=xp)
 
 
 def pad_groups(a, k: int, group_size: int, dtype, xp=jnp):
@@ -148,7 +174,8 @@ def unpack(w: W4A16Weight):
   """W4A16Weight -> (q int32 [..., K, N], z int32 [..., K/G, N], s float16 [..., K/G, N]) (jnp; tests and the
   reference)."""
   lead, k_pad, n_pad = w.lead_shape, w.k_pad, w.n_pad
-  words = jax.lax.bitcast_convert_type(w.packed, jnp.uint32).reshape(*lead, k_pad // CHUNK_K, 1, PLANE_K, n_pad)
+  words = jax.lax.bitcast_convert_type(swap_word_halves(w.packed), jnp.uint32)      # version 2 order
+  words = words.reshape(*lead, k_pad // CHUNK_K, 1, PLANE_K, n_pad)
   shifts = (jnp.arange(NIBBLES, dtype=jnp.uint32) * 4)[:, None, None]
   q = ((words >> shifts) & 0xF).reshape(*lead, k_pad, n_pad)[..., :w.k, :w.n]
   ng = w.k // w.group_size

@@ -15,9 +15,11 @@ CTA (b, p, s) = row block b (block_m rows of one expert), column tile p, K split
                same columns of the up half; else columns 128 p + 64 w) and one [64, bm] f32 accumulator.
 
 Decode (GPU): the word tile is loaded from SMEM in WORDS_LAYOUT, the transpose of the wgmma A-operand layout, so a
-thread holds exactly the words (r, n), (r + 1, n) whose nibble j are the two bf16 of one A-fragment register
-(n, r..r+1). One `prmt` (+ `shr` for odd j) and one `lop3` per register give (nibble | 0x4300) = 128 + q as
-bf16x2 (triton.py's trick, _nibble_asm). Scale and zero are folded into A before the product, per group and per
+thread holds exactly the words (r, n), (r + 1, n) (r = 2 i even) of one A-fragment register (n, 2 i..2 i + 1):
+in the packed format's order (layout.py, version 3) word r + h holds plane j = 4 h + m's K rows 2 i and 2 i + 1
+in nibble m of its two 16-bit halves. One `shr` (none for m = 0) and one `lop3` per register give
+(nibble | 0x4300) = 128 + q as bf16x2 (_nibble_asm; format version 2 needed a `prmt` more, and version 3's
+decode measured 2.6% faster for the whole MoE under the H200's power cap, NOTES v11). Scale and zero are folded into A before the product, per group and per
 column (each thread's two rows): A = ((128 + q) - (128 + z)) * s in bf16 — the subtraction is exact, so A is
 (q - z) * s rounded once to bf16, what the xla reference multiplies. Why fold, not triton.py's per-group f32
 correction: one accumulator for the whole K range (wgmma never waits on a per-group epilogue, no per-group sum of
@@ -131,14 +133,13 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # "compute_only+fold+decode" leaves the word loads, the descriptors and the wgmmas. "words": the A words are a
 # constant, no SMEM loads (GPU only; with "decode" too the A registers are loop-invariant, so what is left is the
 # barriers, descriptors and wgmmas; without it LLVM may hoist the now-invariant decode).
-# "paired": the decode of a word format without prmt (a shift and a lop3 per register; _paired_nibble_asm), timed
-# on this format. "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
+# "scales": constant s and bias registers (GPU only; no loads of the stage's scales). "corr": no
 # correction wgmma of the fma fold. "nox": no copies of the x tile (and of the correction's X) per chunk, the
 # consumers multiply whatever the ring holds; "nosz": no copies of the scales and zeros per chunk (what streaming
 # only the weights, or x once per block, would save under the H200's power cap, NOTES v11).
 # Measured and removed: "contig", each word tile read as one contiguous 8 KiB run (a tile-major format's DRAM
 # pattern): no faster (NOTES v11).
-ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "paired", "scales", "corr", "nox", "nosz")
+ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
 
@@ -212,33 +213,23 @@ def words_register_map() -> dict:
   return out
 
 
-def _nibble_asm(j: int) -> str:
-  """$1 (word of row r), $2 (row r + 1) -> $0 = bf16x2 (128 + nibble j of each): triton._nibble_asm's sequence."""
-  byte = j // 2
-  selector = byte | (4 + byte) << 8
-  shift = "shr.u32 t, t, 4;\n" if j % 2 else ""
-  return ("{\n.reg .b32 t;\n" f"prmt.b32 t, $1, $2, {selector:#06x};\n" + shift
-          + "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}")
-
-
-def _paired_nibble_asm(m: int) -> str:
-  """$1 = a word whose 16-bit halves hold four nibbles each (rows r and r + 1) -> $0 = bf16x2 (128 + nibble m of
-  each half): a shift and one lop3. (The shift as a multiply-high, to take it off the integer pipe, was 12%
-  slower: NOTES v10.)"""
+def _nibble_asm(m: int) -> str:
+  """$1 = a word whose 16-bit halves hold four nibbles each (K rows 2 i and 2 i + 1 of four planes) -> $0 = bf16x2
+  (128 + nibble m of each half): a shift and one lop3. (The shift as a multiply-high, to take it off the integer
+  pipe, was 12% slower: NOTES v10.)"""
   if m == 0:
     return "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;"
   return "{\n.reg .b32 t;\n" f"shr.u32 t, $1, {4 * m};\n" "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;\n}"
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: bool = False):
+def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False):
   """The register decode for arrays of `planes_per_array` (P) consecutive planes: words [32, 64] int32
   (WORDS_LAYOUT) -> 8 / P arrays [64, 32 P] bf16 (WGMMA layout); array i = (W^T of chunk rows 32 P i..) + 128,
   built register by register with inline PTX. A WGMMA-layout array's registers are ordered by 8-column tiles
   along axis 1, so an array of P planes is the planes' register arrays concatenated there
   (tests/test_w4a16_mosaic.py checks that against the layout's tiling). raw: the "decode" ablation (the words
-  bitcast, wrong values). paired: the "paired" ablation, the instruction sequence of a format whose words hold the
-  two K rows of a register in their halves (no prmt), run on this format (wrong values)."""
+  bitcast, wrong values)."""
   p_arr = planes_per_array
   out_type = plgpu.ShapeDtypeStruct((SUB_N, PLANE * p_arr), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
@@ -257,12 +248,8 @@ def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: boo
       raise AssertionError(f"words register map covers {len(pairs)} of {shape} A registers")
     for aidx, (lo, hi) in pairs.items():
       for j in range(layout.NIBBLES):
-        if raw:
-          packed = (lo, hi)[j % 2]
-        elif paired:
-          packed = llvm.inline_asm(i32, [(lo, hi)[j // 4]], _paired_nibble_asm(j % 4), "=r,r")
-        else:
-          packed = llvm.inline_asm(i32, [lo, hi], _nibble_asm(j), "=r,r,r")
+        word = (lo, hi)[j // 4]            # plane j = 4 h + m: word row 2 i + h, nibble m of both halves
+        packed = word if raw else llvm.inline_asm(i32, [word], _nibble_asm(j % 4), "=r,r")
         planes[j][aidx] = mgpu.utils.bitcast(packed, bf16x2)
     return tuple(mgpu.FragmentedArray(_registers=np.concatenate(planes[i:i + p_arr], axis=1),
                                       _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -273,7 +260,8 @@ def _decode_planes_gpu(planes_per_array: int = 1, raw: bool = False, paired: boo
 
 def _decode_planes_jnp(words, planes_per_array: int = 1):
   """words [32, 64] int32 -> 8 / P arrays [64, 32 P] bf16 (128 + nibble, transposed; P consecutive planes side
-  by side); interpret mode."""
+  by side); interpret mode. The halves transpose gives format version 2's words, nibble j = K rows 32 j.."""
+  words = layout.swap_word_halves(words)
   out = []
   for j in range(layout.NIBBLES):
     v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
@@ -684,7 +672,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               words = plgpu.layout_cast(jnp.full((WORD_ROWS, SUB_N), 0x01234567, jnp.int32), WORDS_LAYOUT)
             else:
               words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
-            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations, paired="paired" in ablations)(words)
+            arrays = _decode_planes_gpu(ppw, raw="decode" in ablations)(words)
           else:
             arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
 

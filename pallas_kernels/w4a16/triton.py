@@ -4,11 +4,12 @@ One kernel serves the dense linear and both halves of the routed-expert MLP (doc
 Program (b, p, s) owns row block b (block_m rows of one expert; the dense matmul is one "expert" with contiguous
 rows), output columns [p BN, (p+1) BN) and K split s (a contiguous run of 256-row chunks). Per chunk:
 
-  words [32, BN]   int32: one chunk of one column tile (layout.py); nibble j = K rows [32 j, 32 j + 32)
-  q_j   [32, BN]   bf16 128 + q: (nibble | 0x4300) is the bf16 bit pattern of 128 + q, so no arithmetic
-  x_j   [bm, 32]   bf16 rows of the block, K rows 32 j.. (gathered by token id, 0 on padding rows / past K)
+  words_h [16, BN] int32: the even (h = 0) or odd (h = 1) word rows of one chunk of one column tile (layout.py:
+                   plane j = 4 h + m of the chunk is nibble m of those words, K row 2 i + u in half u)
+  q_ju  [16, BN]   bf16 128 + q of K rows 32 j + 2 i + u: (nibble | 0x4300) is the bf16 bit pattern of 128 + q
+  x_ju  [bm, 16]   bf16 rows of the block at those K rows (gathered by token id, 0 on padding rows / past K)
   per quantization group g of the chunk (one to eight planes j):
-  acc   [bm, BN]   += s_g * Σ_j x_j . q_j  -  (Σ_k x) * (z_g + 128) * s_g           (float32)
+  acc   [bm, BN]   += s_g * Σ_j Σ_u x_ju . q_ju  -  (Σ_k x) * (z_g + 128) * s_g      (float32)
 
 since Σ_k x (q - z) s = s Σ_k x (128 + q) - (z + 128) s Σ_k x. Scale and zero point touch the [bm, BN] partial
 once per group, never a weight, so a weight costs only its decode (2-3 integer instructions per pair of values
@@ -23,7 +24,7 @@ valid rows, so padding rows of a block are neither written nor read downstream. 
 
 decode = "jnp" (shift/and/or/truncate in jnp; what interpret mode runs) or "ptx" (inline PTX, _nibble_asm).
 
-orient = "swap" (the default) computes the transposed products acc^T [BN, bm] += q_j^T [BN, 32] . x_j^T [32, bm]:
+orient = "swap" (the default) computes the transposed products acc^T [BN, bm] += q_ju^T [BN, 16] . x_ju^T [16, bm]:
 the decoded weights are the left (M-side) operand, which on Hopper Triton can feed to wgmma from registers, and
 the few token rows sit on N. "mk" is the plain orientation above (x on the left), kept as a variant: on the H200
 it was 1.5x slower for the MoE at T = 64 (NOTES.md).
@@ -47,6 +48,7 @@ from pallas_kernels.w4a16 import layout, routing
 
 _MAGIC = 128.0                 # (nibble | 0x4300) as bf16 == 128 + nibble
 _MAGIC_BITS = 0x4300
+HALF_PLANE = layout.PLANE_K // 2   # K rows of one plane held in one half of the words: 16
 
 # Defaults from the H200 sweeps in NOTES.md: both the grouped (MoE) and the dense kernels run best in the swapped
 # orientation with 4 warps and 64-column tiles (the dense ones with more K splits). `config` overrides any key.
@@ -57,7 +59,7 @@ DENSE_CONFIG = dict(num_warps=4, orient="swap", block_n=64, target_programs=1056
 
 
 def _plane_jnp(words: jax.Array, j: int) -> jax.Array:
-  """int32 [32, BN] -> bf16 [32, BN]: 128 + nibble j."""
+  """int32 words -> bf16 of the same shape: 128 + nibble j (bits 4 j .. 4 j + 3)."""
   v = (lax.shift_right_logical(words, 4 * j) & 0xF) | _MAGIC_BITS
   return lax.bitcast_convert_type(v.astype(jnp.int16), jnp.bfloat16)
 
@@ -101,31 +103,40 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
 
     def body(c, accs):
       k0 = c * layout.CHUNK_K
-      xs, xsums = [], []
+      xs, xsums = {}, []           # xs[j, u]: K rows 32 j + 2 i + u of the chunk, i = 0..15
       for j in range(layout.NIBBLES):
-        kk = k0 + j * layout.PLANE_K + lax.broadcasted_iota(jnp.int32, (layout.PLANE_K, 1), 0)   # [32, 1]
-        if swap:   # x_j^T [32, bm]: the small operand sits on the product's N side
-          xj = pltriton.load(x_ref.at[safe[None, :], kk], mask=valid[None, :] & (kk < k), other=0.0)
-          xsums.append(jnp.sum(xj.astype(jnp.float32), axis=0, keepdims=True))             # [1, bm]
-        else:      # x_j [bm, 32]
-          kr = kk.reshape(1, layout.PLANE_K)
-          xj = pltriton.load(x_ref.at[safe[:, None], kr], mask=valid[:, None] & (kr < k), other=0.0)
-          xsums.append(jnp.sum(xj.astype(jnp.float32), axis=1, keepdims=True))             # [bm, 1]
-        xs.append(xj)
+        xsum = 0.0
+        for u in range(2):
+          kk = k0 + j * layout.PLANE_K + u + 2 * lax.broadcasted_iota(jnp.int32, (HALF_PLANE, 1), 0)  # [16, 1]
+          if swap:   # x_ju^T [16, bm]: the small operand sits on the product's N side
+            xju = pltriton.load(x_ref.at[safe[None, :], kk], mask=valid[None, :] & (kk < k), other=0.0)
+            xsum = xsum + jnp.sum(xju.astype(jnp.float32), axis=0, keepdims=True)             # [1, bm]
+          else:      # x_ju [bm, 16]
+            kr = kk.reshape(1, HALF_PLANE)
+            xju = pltriton.load(x_ref.at[safe[:, None], kr], mask=valid[:, None] & (kr < k), other=0.0)
+            xsum = xsum + jnp.sum(xju.astype(jnp.float32), axis=1, keepdims=True)             # [bm, 1]
+          xs[j, u] = xju
+        xsums.append(xsum)
       new = []
       for acc, col in zip(accs, cols):
-        words = pltriton.load(w_ref.at[expert, pl.ds(c * layout.PLANE_K, layout.PLANE_K), pl.ds(col, block_n)],
-                              eviction_policy="evict_first")                             # [32, BN]
-        if swap:
-          words = words.T                                                                 # [BN, 32]
-        planes = [plane_fn(words, j) for j in range(layout.NIBBLES)]
+        planes = {}
+        for h in range(2):         # the chunk's even / odd word rows: planes 4 h .. 4 h + 3
+          # rows as an index array, not a strided pl.ds: interpret mode has no strided loads
+          word_rows = c * layout.PLANE_K + h + 2 * lax.broadcasted_iota(jnp.int32, (HALF_PLANE, 1), 0)
+          word_cols = col + lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+          words = pltriton.load(w_ref.at[expert, word_rows, word_cols], eviction_policy="evict_first")  # [16, BN]
+          if swap:
+            words = words.T                                                                 # [BN, 16]
+          for m in range(4):
+            for u in range(2):     # bits 4 m + 16 u = nibble m + 4 u of the word
+              planes[4 * h + m, u] = plane_fn(words, m + 4 * u)
         for gi in range(groups_per_chunk):
-          js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
-          if swap:   # [BN, 32] x [32, bm] -> [BN, bm]
-            d = sum(pltriton.dot(planes[j], xs[j]) for j in js)
-          else:      # [bm, 32] x [32, BN] -> [bm, BN]
-            d = sum(pltriton.dot(xs[j], planes[j]) for j in js)
-          xsum = sum(xsums[j] for j in js)
+          jus = [(j, u) for j in range(gi * planes_per_group, (gi + 1) * planes_per_group) for u in range(2)]
+          if swap:   # [BN, 16] x [16, bm] -> [BN, bm]
+            d = sum(pltriton.dot(planes[ju], xs[ju]) for ju in jus)
+          else:      # [bm, 16] x [16, BN] -> [bm, BN]
+            d = sum(pltriton.dot(xs[ju], planes[ju]) for ju in jus)
+          xsum = sum(xsums[j] for j in range(gi * planes_per_group, (gi + 1) * planes_per_group))
           g = c * groups_per_chunk + gi
           sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
           zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc

@@ -27,20 +27,19 @@ B_COLS = 256                # the B tile's K extent in SMEM (one chunk, as the k
 
 @functools.lru_cache(maxsize=None)
 def wgmma_steps(*, n: int, k_per_call: int, calls: int, iters: int, warpgroups: int, a_in_registers: bool,
-                num_ctas: int, decode: str | None = None):
+                num_ctas: int, decode: bool = False):
   """A jitted () -> [num_ctas, warpgroups, n, 64] f32 (the accumulators, so nothing is dead code).
 
-  decode ("prmt" / "paired"): each iteration builds A as mosaic_sm90's consumers do, from a [32, 64] word tile
-  loaded from SMEM: the register decode (mosaic_sm90's, or the "paired" ablation's sequence) and the fma fold,
-  one chunk (256 K rows) per iteration; needs a_in_registers and calls * k_per_call = 256."""
+  decode: each iteration builds A as mosaic_sm90's consumers do, from a [32, 64] word tile loaded from SMEM: the
+  register decode and the fma fold, one chunk (256 K rows) per iteration; needs a_in_registers and
+  calls * k_per_call = 256."""
   if k_per_call % 16 or B_COLS % k_per_call or calls * k_per_call > B_COLS:
     raise ValueError(f"wgmma_steps: k_per_call {k_per_call} x calls {calls} must tile the {B_COLS}-column B tile "
                      "in multiples of 16.")
   if n % 8 or not 8 <= n <= 256:
     raise ValueError(f"wgmma_steps: n {n} must be a multiple of 8 in [8, 256].")
-  if decode and (decode not in ("prmt", "paired") or not a_in_registers or calls * k_per_call != B_COLS):
-    raise ValueError(f"wgmma_steps: decode {decode!r} needs 'prmt' or 'paired', a_in_registers and one 256-row "
-                     "chunk per iteration.")
+  if decode and (not a_in_registers or calls * k_per_call != B_COLS):
+    raise ValueError("wgmma_steps: decode needs a_in_registers and one 256-row chunk per iteration.")
   ppw = k_per_call // ms.PLANE
   scratch = [plgpu.SMEM((n, B_COLS), jnp.bfloat16, transforms=ms._X_SWZ),
              plgpu.SMEM((ROWS, B_COLS), jnp.bfloat16, transforms=ms._X_SWZ),
@@ -57,7 +56,7 @@ def wgmma_steps(*, n: int, k_per_call: int, calls: int, iters: int, warpgroups: 
       def it(i, _):
         if decode:
           words = plgpu.load(w_smem, (), layout=ms.WORDS_LAYOUT, optimized=False)
-          arrays = ms._decode_planes_gpu(ppw, paired=decode == "paired")(words)
+          arrays = ms._decode_planes_gpu(ppw)(words)
           operands = [ms._fma_gpu(k_per_call)(arr, a, bias) for arr in arrays]
         for c in range(calls):
           cols = pl.ds(c * k_per_call, k_per_call)

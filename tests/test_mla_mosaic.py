@@ -455,12 +455,12 @@ def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_
   call = mr.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=SCALE,
                        num_pages=num_pages, interpret=False)
   qrows = batch * plan.groups
+  q_args = (s((qrows, 64, 512), jnp.bfloat16), s((qrows, 64, 64), jnp.bfloat16))
   if plan.fp8:
-    cache_args = (s((qrows, 64, 576), jnp.bfloat16), s((num_pages, 64, 512), jnp.float8_e4m3fn),
-                  s((num_pages, 64, 64), jnp.bfloat16), s((num_pages, 64, 4), jnp.float32))
+    cache_args = q_args + (s((num_pages, 64, 512), jnp.float8_e4m3fn), s((num_pages, 64, 64), jnp.bfloat16),
+                           s((num_pages, 64, 4), jnp.float32))
   else:
-    cache_args = (s((qrows, 64, 576), jnp.bfloat16), s((num_pages, 64, 512), jnp.bfloat16),
-                  s((num_pages, 64, 64), jnp.bfloat16))
+    cache_args = q_args + (s((num_pages, 64, 512), jnp.bfloat16), s((num_pages, 64, 64), jnp.bfloat16))
   args = cache_args + (s((batch, max_pages), jnp.int32), s((batch,), jnp.int32), s((batch + 1,), jnp.int32),
                        s((4, plan.num_parts), jnp.int32))
   return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

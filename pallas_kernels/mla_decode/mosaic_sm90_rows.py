@@ -154,10 +154,10 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
-  """The pallas kernel. bf16 cache: (qf [B*G, 64, 576] bf16, latent, rope, block_table, lens, cu, sched);
-  fp8 cache: (qn [B*G, 64, 512] f16, qr [B*G, 64, D] bf16 whose last 64 columns are Q's rope (its rope part, or
-  qf), latent, rope, scale, block_table, lens, cu, sched). -> (o_part f32 [E*G, 64, 512] normalized, lse2_part
-  f32 [E*G, 64] log2 domain), E = num_parts + batch."""
+  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
+  block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
+  E = num_parts + batch. Q comes in its two parts so that the model's concatenation of them is never written
+  (mosaic_sm90._mla_decode_rows slices it back; XLA takes each part from its producer)."""
   g_count, parts, stages, fp8 = plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E
@@ -204,14 +204,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
   def body(*refs):
     if fp8:
-      q_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:10]
-      scratch_refs = refs[10:]
+      q_ref, qr_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:11]
+      scratch_refs = refs[11:]
     else:
-      q_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:9]
+      q_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:10]
       sc_ref = None
-      scratch_refs = refs[9:]
+      scratch_refs = refs[10:]
     r = dict(zip(names, scratch_refs))
-    rope_col = q_ref.shape[-1] - ROPE_DIM          # Q's rope: the last 64 columns of q_ref
     q_smem, ring_lat, ring_rope, pbuf, mx, lx = (
         r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "mx", "lx"))
     loaded, consumed, qbar, mbar, pbar, lbar = (
@@ -347,12 +346,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               for h in range(2):
                 plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
             if not held:
-              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(rope_col, ROPE_DIM)], qr_smem, qbar)
+              plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar)
           qr = None
           if held:
             # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
-            qr = plgpu.load(q_ref.at[b * g_count + grp, :, pl.ds(rope_col, ROPE_DIM)],
-                            layout=plgpu.Layout.WGMMA, optimized=False)
+            qr = plgpu.load(qr_ref.at[bg], layout=plgpu.Layout.WGMMA, optimized=False)
             if not on_gpu:
               # this warpgroup's previous QKs are done with its copy (wgmma_wait in qk)
               qr_smem[w] = qr

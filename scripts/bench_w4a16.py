@@ -39,14 +39,15 @@ def expert_bytes(w: layout.W4A16Weight) -> int:
   return w.nbytes() // w.lead_shape[0]
 
 
-def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="triton"):
-  """config: the kernel config; a "block_m" key (as bench_moe takes) becomes the dense kernel's min_block_m."""
+def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="triton", shapes=None, group=64):
+  """config: the kernel config; a "block_m" key (as bench_moe takes) becomes the dense kernel's min_block_m.
+  shapes: (K, N) pairs instead of DENSE_SHAPES (quick: its first two)."""
   key = jax.random.key(0)
   kernel_config = dict(config or {})
   if "block_m" in kernel_config:
     kernel_config["min_block_m"] = kernel_config.pop("block_m")
-  for (k, n) in DENSE_SHAPES[:2] if quick else DENSE_SHAPES:
-    w = layout.random_weight(key, (), k, n, 64)
+  for (k, n) in shapes or (DENSE_SHAPES[:2] if quick else DENSE_SHAPES):
+    w = layout.random_weight(key, (), k, n, group)
     wb = jax.random.normal(key, (k, n), jnp.bfloat16) * 0.01
     for m in ms:
       xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.bfloat16) for i in range(2)]
@@ -59,7 +60,7 @@ def bench_dense(rows, ceiling, ms, quick, config=None, check=True, backend="trit
       t_bf16 = time_calls(f_bf16, [(x, wb) for x in xs], max_calls=500)
       dev = device_time(f_tri, xs[0], w)
       nbytes = w.nbytes() + 2 * m * (k + n)
-      rows.append(dict(op="dense", backend=backend, k=k, n=n, m=m, group=64, us=t_tri * 1e6,
+      rows.append(dict(op="dense", backend=backend, k=k, n=n, m=m, group=group, us=t_tri * 1e6,
                        device_us=dev["us"], kernels=dev.get("kernels"), xla_us=t_xla * 1e6,
                        bf16_dot_us=t_bf16 * 1e6, bytes=nbytes, gbps=nbytes / t_tri / 1e9,
                        pct_copy=100 * nbytes / t_tri / 1e9 / ceiling, rel_err_vs_xla=err, config=config))
@@ -174,6 +175,9 @@ def main(argv=None):
   ap.add_argument("--sweep-ms", default="16", help="dense row counts for --sweep ('' for none)")
   ap.add_argument("--sweep-groups", default="64", help="MoE quantization group sizes for --sweep")
   ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
+  ap.add_argument("--sweep-dense-shapes", default=None,
+                  help="dense KxN shapes for --sweep, e.g. 7168x576,1536x24576 (default: the first two of DENSE_SHAPES)")
+  ap.add_argument("--sweep-dense-group", type=int, default=64, help="quantization group size of --sweep's dense rows")
   ap.add_argument("--backends", default="triton",
                   help="comma-separated kernel backends to time, e.g. triton,mosaic_sm90 (mosaic_sm90: Hopper only)")
   ap.add_argument("--ops", nargs="*", default=["moe", "dense"], choices=["moe", "dense", "routing"])
@@ -213,7 +217,10 @@ def main(argv=None):
                     config=cfg, check_ts=sweep_ts[:1], backend=args.sweep_backend)
         sweep_ms = tuple(int(m) for m in args.sweep_ms.split(",") if m)
         if sweep_ms:
-          bench_dense(sweep_rows, ceiling, sweep_ms, True, config=cfg, backend=args.sweep_backend)
+          shapes = ([tuple(int(v) for v in kn.split("x")) for kn in args.sweep_dense_shapes.split(",")]
+                    if args.sweep_dense_shapes else None)
+          bench_dense(sweep_rows, ceiling, sweep_ms, True, config=cfg, backend=args.sweep_backend, shapes=shapes,
+                      group=args.sweep_dense_group)
       except Exception as e:  # noqa: BLE001 - a config that does not build is a result
         sweep_rows.append(dict(op="error", backend=args.sweep_backend, config=cfg,
                                error=f"{type(e).__name__}: {str(e)[-3000:]}"))

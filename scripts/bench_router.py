@@ -6,9 +6,7 @@
 Times (CUPTI, every kernel of the call): the router's logits dot in fp32 (the model's), as split-K einsums, and
 with bf16 weights (what a bf16 router weight would cost); the selection (sigmoid, bias, group top-2, top-4
 groups, top-8) written with `jax.lax.top_k` as the model writes it; the whole `Router` call; and `routing.align`
-(the grouping for the grouped W4A16 kernels); the one-kernel selection (pallas_kernels.moe_router, what the model's
-Router runs on a CUDA GPU) and the one-kernel grouping (w4a16/align_triton.py). Each variant's output
-is compared with the model's / routing.align's. (A sort-free
+(the grouping for the grouped W4A16 kernels). Each variant's output is compared with the model's. (A sort-free
 rank-based top-k was measured at 2d323df: selection 15-17 us against 13.9 at T=64, no gain; it was reverted.)
 Prints a table last and writes JSON (device, jax version, commit).
 """
@@ -26,8 +24,7 @@ from flax import nnx
 from mla_jax.config import ModelConfig, deepseek_v3_hf_config
 from mla_jax.model.moe import Router
 from pallas_kernels.testing import commit_id, device_time
-from pallas_kernels.moe_router import group_topk
-from pallas_kernels.w4a16 import align_triton, api, routing
+from pallas_kernels.w4a16 import api, routing
 
 SCALE = 2.5          # DeepSeek-V3's routed_scaling_factor
 
@@ -83,29 +80,15 @@ def main():
     ref_idx, ref_w = router(x)
     sel_sorted = jax.jit(lambda s, b: sorted_selection(s, b, k=8, groups=8, topk_group=4))
     idx, w = sel_sorted(scores, bias)
-    rows.append(dict(t=t, variant="selection lax.top_k", same_as_model=bool(jnp.all(idx == ref_idx)),
-                     w_max_diff=float(jnp.max(jnp.abs(w - ref_w))), **device_time(sel_sorted, scores, bias)))
-    sel_kernel = jax.jit(lambda s, b: group_topk(s, b, top_k=8, num_groups=8, topk_group=4, norm_topk_prob=True,
-                                                 scale=SCALE, backend="triton"))
-    kidx, kw = sel_kernel(scores, bias)
-    rows.append(dict(t=t, variant="selection kernel (moe_router)", same_as_model=bool(jnp.all(kidx == idx)),
-                     w_max_diff=float(jnp.max(jnp.abs(kw - w))), **device_time(sel_kernel, scores, bias)))
+    same = bool(jnp.all(idx == ref_idx)) and float(jnp.max(jnp.abs(w - ref_w))) == 0.0
+    rows.append(dict(t=t, variant="selection lax.top_k", same_as_model=same, **device_time(sel_sorted, scores, bias)))
     graph, state = nnx.split(router)
     f_router = jax.jit(lambda st, x: nnx.merge(graph, st)(x))
-    rows.append(dict(t=t, variant="Router (model: fp32 dot + selection)", **device_time(f_router, state, x)))
+    rows.append(dict(t=t, variant="Router (model: fp32 dot + lax.top_k)", **device_time(f_router, state, x)))
     bm = api.default_block_m(t, 8, e)
     f_align = jax.jit(lambda i, w: routing.align(i, w, e, bm))
     rows.append(dict(t=t, variant=f"routing.align block_m {bm}", **device_time(f_align, ref_idx, ref_w)))
-    bm8 = api.default_block_m(t, 8, e, "mosaic_sm90")
-    f_align8 = jax.jit(lambda i, w: routing.align(i, w, e, bm8))
-    rows.append(dict(t=t, variant=f"routing.align block_m {bm8}", **device_time(f_align8, ref_idx, ref_w)))
-    f_kalign = jax.jit(lambda i, w: align_triton.align(i, w, e, bm8))
-    a, b = f_align8(ref_idx, ref_w), f_kalign(ref_idx, ref_w)
-    same = all(bool(jnp.all(getattr(a, f) == getattr(b, f))) for f in ("block_expert", "row_token", "row_weight",
-                                                                       "pair_row"))
-    rows.append(dict(t=t, variant=f"align kernel block_m {bm8}", same_as_model=same,
-                     **device_time(f_kalign, ref_idx, ref_w)))
-    for r in rows[-len(logits_variants) - 6:]:
+    for r in rows[-len(logits_variants) - 3:]:
       print(f"[time] T={r['t']} {r['variant']}: {r['us']:.1f} us {r.get('kernels')}", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

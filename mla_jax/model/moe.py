@@ -19,7 +19,6 @@ from flax import nnx
 from mla_jax.config import ModelConfig
 from mla_jax.model.layers import MLP, matmul_precision
 from mla_jax.quant.awq import AWQExperts
-from pallas_kernels.moe_router import group_topk
 
 _INIT_STD = 0.02
 
@@ -48,13 +47,12 @@ class Router(nnx.Module):
         if cfg.topk_method == "greedy":
             topk_w, topk_idx = jax.lax.top_k(scores, K)
         elif cfg.topk_method == "noaux_tc":
-            # Selection uses bias-corrected scores; groups ranked by the sum of their top-2 corrected scores;
-            # weights are the unbiased scores, normalised and scaled. One kernel on a CUDA GPU, lax.top_k elsewhere
-            # (pallas_kernels/moe_router: same ids; the weights' normalising sum may round differently by an ulp).
-            topk_idx, topk_w = group_topk(scores, self.e_score_correction_bias[...], top_k=K, num_groups=G,
-                                          topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                                          scale=cfg.routed_scaling_factor)
-            return topk_idx, topk_w
+            # Selection uses bias-corrected scores; groups ranked by the sum of their top-2 corrected scores.
+            choice = scores + self.e_score_correction_bias[...]
+            group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)        # [T, G]
+            choice = jnp.where(self._group_mask(group_score), choice, -jnp.inf)
+            _, topk_idx = jax.lax.top_k(choice, K)
+            topk_w = jnp.take_along_axis(scores, topk_idx, axis=-1)                       # unbiased weights
         else:  # group_limited_greedy (DeepSeek-V2): groups ranked by their best expert; others' scores -> 0
             group_score = scores.reshape(T, G, E // G).max(-1)
             masked = jnp.where(self._group_mask(group_score), scores, 0.0)

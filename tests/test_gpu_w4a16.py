@@ -60,18 +60,3 @@ def test_moe_vs_float64(backend, t):
       gg, uu = (xd[tok] @ deq64(*[a[ex] for a in ws], g) for ws in (gate, up))
       ref[tok] += wts[tok, slot, None] * ((gg / (1 + np.exp(-gg)) * uu) @ deq64(*[a[ex] for a in down], g))
   assert max_rel(y, ref) < 1.5e-2
-
-
-@pytest.mark.parametrize("t,k,e,bm", [(2, 8, 256, 8), (16, 8, 256, 8), (64, 8, 256, 8), (200, 8, 256, 16),
-                                      (37, 6, 160, 8)])
-def test_align_kernel_equals_align_on_gpu(t, k, e, bm):
-  """The one-kernel grouping against routing.align on the GPU, bit for bit (the CTA barrier between the rows'
-  initialisation and the pairs' rows, and the scatter, exist only there)."""
-  from pallas_kernels.w4a16 import align_triton, routing
-  from test_w4a16 import _assert_same_routing
-  rng = np.random.default_rng(t + e)
-  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
-  ids[0, 0], ids[1, -1] = -1, e + 1
-  wts = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
-  ids = jnp.asarray(ids, jnp.int32)
-  _assert_same_routing(routing.align(ids, wts, e, bm), align_triton.align(ids, wts, e, bm))

@@ -194,51 +194,6 @@ def test_routing_blocks():
   assert (w[tok < 0] == 0).all()
 
 
-def _assert_same_routing(a, b):
-  for f in ("block_expert", "row_token", "row_weight", "pair_row"):
-    x, y = np.asarray(getattr(a, f)), np.asarray(getattr(b, f))
-    assert x.shape == y.shape and x.dtype == y.dtype, (f, x.shape, y.shape, x.dtype, y.dtype)
-    np.testing.assert_array_equal(x, y, err_msg=f)
-  assert a.block_m == b.block_m
-
-
-@pytest.mark.parametrize("t,k,e,bm", [(64, 8, 256, 8), (16, 8, 256, 8), (5, 3, 10, 8), (7, 2, 3, 16),
-                                      (33, 6, 100, 8), (9, 4, 37, 32), (256, 8, 256, 1)])
-def test_align_kernel_equals_align(t, k, e, bm):
-  """align_triton (one Pallas Triton kernel, interpret mode here) gives routing.align's outputs bit for bit:
-  random distinct experts, dropped ids (-1, >= E), a token repeating an expert, every pair on one expert."""
-  from pallas_kernels.w4a16 import align_triton
-  rng = np.random.default_rng(t * 1000 + e)
-  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
-  odd = ids.copy()
-  odd[0, 0], odd[1, -1] = -1, e + 3
-  odd[2] = odd[2, 0]
-  for case in (ids, odd, np.zeros_like(ids)):
-    wts = jnp.asarray(rng.uniform(0.1, 1, (t, k)), jnp.float32)
-    a = routing.align(jnp.asarray(case, jnp.int32), wts, e, bm)
-    b = align_triton.align(jnp.asarray(case, jnp.int32), wts, e, bm, interpret=True)
-    _assert_same_routing(a, b)
-
-
-def test_align_choice_in_the_moe():
-  """The MoE's config "align": "kernel" runs the kernel (same output as the default's routing.align in interpret
-  mode), an unknown choice and sizes past the kernel's raise."""
-  from pallas_kernels.w4a16 import align_triton
-  rng = np.random.default_rng(12)
-  e, d, i, g, t = 6, 256, 128, 64, 5
-  _, _, _, w13, w2 = make_moe(rng, e, d, i, g)
-  ids = jnp.asarray(np.stack([rng.choice(e, 2, replace=False) for _ in range(t)]), jnp.int32)
-  wts = jnp.asarray(rng.uniform(0.1, 1, (t, 2)), jnp.float32)
-  x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
-  run = lambda **c: np.asarray(api.w4a16_moe(x, ids, wts, w13, w2, backend="triton", interpret=True, config=c))
-  np.testing.assert_array_equal(run(align="kernel"), run())
-  with pytest.raises(ValueError, match="align"):
-    run(align="sorted")
-  big = jnp.zeros((align_triton.MAX_PAIRS + 1, 1), jnp.int32)
-  with pytest.raises(ValueError, match="align='xla'"):
-    api._align(big, big.astype(jnp.float32), 4, 8, interpret=True, how="kernel")
-
-
 def test_max_blocks_is_the_most_any_routing_needs():
   rng = np.random.default_rng(5)
   for p, e, bm in [(128, 256, 8), (512, 256, 8), (24, 4, 16), (7, 3, 2), (1, 256, 8), (40, 40, 1), (2048, 256, 64)]:

@@ -20,7 +20,7 @@ INFO line (logger "pallas_kernels") per distinct choice with its reason. A backe
 run raises ValueError saying why and what would run; nothing is swapped silently.
 
 Both ops are plain jittable functions; the MoE groups tokens by expert on the device with static shapes
-(routing.py; on a GPU in one Triton kernel, align_triton.py). Under a mesh, call them inside `jax.shard_map` on per-device shards (a column-split weight gives
+(routing.py). Under a mesh, call them inside `jax.shard_map` on per-device shards (a column-split weight gives
 that device's columns; a row-split weight a partial sum to psum; an expert-split stack routes the device's own
 experts, other ids arriving out of range are dropped).
 """
@@ -32,7 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.w4a16 import align_triton, layout, mosaic_sm90, reference, routing, triton
+from pallas_kernels.w4a16 import layout, mosaic_sm90, reference, routing, triton
 
 logger = logging.getLogger("pallas_kernels")
 
@@ -197,35 +197,15 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
               config=_frozen(config))
 
 
-ALIGN_CHOICES = ("auto", "kernel", "xla")
-
-
-def _align(topk_ids, topk_weights, num_experts: int, block_m: int, *, interpret: bool, how: str = "auto"):
-  """The MoE's grouping of pairs by expert (routing.Routing). how (the MoE config's "align" key): "kernel" =
-  align_triton's one kernel, "xla" = routing.align, "auto" = the kernel for more than one token on a GPU (the
-  kernel backends' only non-interpret home), routing.align in interpret mode and for one token (its one-token
-  path is elementwise already)."""
-  if how not in ALIGN_CHOICES:
-    raise ValueError(f"w4a16_moe: config align={how!r}; choose one of {ALIGN_CHOICES}.")
-  t, k = topk_ids.shape
-  fits = align_triton.supported(t * k, num_experts)
-  if how == "kernel" and not fits:
-    raise ValueError(f"w4a16_moe: config align='kernel' takes at most {align_triton.MAX_PAIRS} pairs and "
-                     f"{align_triton.MAX_EXPERTS} experts, got {t * k} and {num_experts}; use align='xla'.")
-  if how == "kernel" or (how == "auto" and fits and t > 1 and not interpret):
-    return align_triton.align(topk_ids, topk_weights, num_experts, block_m, interpret=interpret)
-  return routing.align(topk_ids, topk_weights, num_experts, block_m)
-
-
 @functools.partial(jax.jit, static_argnames=("name", "interpret", "block_m", "config"))
 def _moe(x, topk_ids, topk_weights, w13, w2, *, name, interpret, block_m, config):
   if name == "xla":
     return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=block_m)
   num_experts = w13.lead_shape[0]
-  config = _thawed(config) or {}
-  rt = _align(topk_ids, topk_weights, num_experts, block_m, interpret=interpret, how=config.pop("align", "auto"))
+  rt = routing.align(topk_ids, topk_weights, num_experts, block_m)
   busy = min(rt.num_blocks, num_experts, topk_ids.size)    # blocks expected in use: sizes the K split
   if name == "mosaic_sm90":
-    return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config).astype(x.dtype)
-  rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=config)
+    return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret,
+                           config=_thawed(config)).astype(x.dtype)
+  rows = triton.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret, config=_thawed(config))
   return routing.combine(rows, rt).astype(x.dtype)

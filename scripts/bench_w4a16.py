@@ -176,7 +176,7 @@ def main(argv=None):
   ap.add_argument("--sweep-groups", default="64", help="MoE quantization group sizes for --sweep")
   ap.add_argument("--sweep-backend", default="triton", help="the kernel backend --sweep configures")
   ap.add_argument("--sweep-dense-shapes", default=None,
-                  help="dense KxN shapes for --sweep, e.g. 7168x576,1536x24576 (default: the first two of DENSE_SHAPES)")
+                  help="dense KxN shapes for --sweep, e.g. 7168x576,1536x24576 (default: DENSE_SHAPES' first two)")
   ap.add_argument("--sweep-dense-group", type=int, default=64, help="quantization group size of --sweep's dense rows")
   ap.add_argument("--backends", default="triton",
                   help="comma-separated kernel backends to time, e.g. triton,mosaic_sm90 (mosaic_sm90: Hopper only)")

@@ -18,16 +18,16 @@ Decode (GPU): the word tile is loaded from SMEM in WORDS_LAYOUT, the transpose o
 thread holds exactly the words (r, n), (r + 1, n) (r = 2 i even) of one A-fragment register (n, 2 i..2 i + 1):
 in the packed format's order (layout.py, version 3) word r + h holds plane j = 4 h + m's K rows 2 i and 2 i + 1
 in nibble m of its two 16-bit halves. One `shr` (none for m = 0) and one `lop3` per register give
-(nibble | 0x4300) = 128 + q as bf16x2 (_nibble_asm; format version 2 needed a `prmt` more, and version 3's
-decode measured 2.6% faster for the whole MoE under the H200's power cap, NOTES v11). Scale and zero are folded into A before the product, per group and per
-column (each thread's two rows): A = ((128 + q) - (128 + z)) * s in bf16 — the subtraction is exact, so A is
-(q - z) * s rounded once to bf16, what the xla reference multiplies. Why fold, not triton.py's per-group f32
-correction: one accumulator for the whole K range (wgmma never waits on a per-group epilogue, no per-group sum of
-x is needed), and the fold costs 2 bf16x2 instructions per 2 weights on the FMA pipe, which the int decode does not
-use. The price is precision: bf16 products like the xla path instead of exact f32 ones (docs/architecture.md §4
-tolerances hold). The MoE from 16 tokens on uses fold="fma" instead (moe_config): one fma.rn.bf16x2 per register
-with a rounded bias, that bias's exact rounding error subtracted by one more k16 wgmma per chunk against the
-per-group sums of x.
+(nibble | 0x4300) = 128 + q as bf16x2 (_nibble_asm; format version 2 needed a `prmt` more: the MoE ran 2.9%
+slower with it under the H200's power cap, NOTES v14). Scale and zero are folded into A before the product, per
+group and per column (each thread's two rows): A = ((128 + q) - (128 + z)) * s in bf16 — the subtraction is
+exact, so A is (q - z) * s rounded once to bf16, what the xla reference multiplies. Why fold, not triton.py's
+per-group f32 correction: one accumulator for the whole K range (wgmma never waits on a per-group epilogue, no
+per-group sum of x is needed), and the fold costs 2 bf16x2 instructions per 2 weights on the FMA pipe, which the
+int decode does not use. The price is precision: bf16 products like the xla path instead of exact f32 ones
+(docs/architecture.md §4 tolerances hold). The MoE from 16 tokens on uses fold="fma" instead (moe_config): one
+fma.rn.bf16x2 per register with a rounded bias, that bias's exact rounding error subtracted by one more k16 wgmma
+per chunk against the per-group sums of x.
 
 Interpret mode (CPU) runs neither a register A operand nor inline PTX: the same kernel decodes with jnp, stages A
 through an SMEM scratch and stores with jnp (`_INTERPRET_A`). GPU-only code paths are checked by lowering the

@@ -383,14 +383,25 @@ def awq_fixture(tmp_path_factory):
     pack.quantize_checkpoint(SHARDING_FIXTURE, awq_dir, group_size=16)
     conv_dir = str(root / "converted")
     convert_checkpoint(awq_dir, conv_dir, progress=False)
-    return awq_dir, conv_dir
+    # a directory as the version 2 converter wrote it (the packed layout's version 2 word order): repacked at load
+    from mla_jax.checkpoint import converted
+    from pallas_kernels.w4a16 import layout
+    v2_dir = str(root / "converted_v2")
+    v3_pack_q = layout.pack_q
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(converted, "VERSION", 2)
+        mp.setattr(layout, "pack_q", lambda q, xp=np: layout.swap_word_halves(v3_pack_q(q, xp=xp), xp=xp))
+        convert_checkpoint(awq_dir, v2_dir, progress=False)
+    return {"awq_safetensors": awq_dir, "converted_orbax": conv_dir, "converted_orbax_v2": v2_dir}
 
 
-@pytest.mark.parametrize("which", ["awq_safetensors", "converted_orbax"])
+@pytest.mark.parametrize("which", ["awq_safetensors", "converted_orbax", "converted_orbax_v2"])
 def test_awq_checkpoints_load_sharded_tp4(awq_fixture, which):
     import mla_jax
-    path = awq_fixture[0] if which == "awq_safetensors" else awq_fixture[1]
-    ref, cfg = mla_jax.load_model(path, dtype="float32")
+    path = awq_fixture[which]
+    # the version 2 directory against the version 3 one: its words must come out repacked, not just equal to a
+    # second load of themselves
+    ref, cfg = mla_jax.load_model(awq_fixture["converted_orbax" if which.endswith("v2") else which], dtype="float32")
     pl = ShardingPlan.create(cfg, 4, False)
     model, _ = load_sharded(path, pl, dtype="float32")
     ref_flat = dict(nnx.to_flat_state(nnx.state(ref)))

@@ -286,20 +286,24 @@ def v3_bytes_per_step(cfg, batch: int, context: int, cache_bytes_per_token: int)
     return parts
 
 
-def back_to_back_ms(call, caches, iters: int, warmup: int) -> float:
-    """Milliseconds per step when `iters` steps are dispatched without waiting (each takes the previous one's
-    donated caches, so they run in order) and the host blocks once at the end: the device's time per step while
-    the host stays ahead, as in the engine's overlapped loop. Timing each call with a wait after it adds that
-    call's dispatch latency to every step."""
+def back_to_back_ms(call, caches, iters: int, warmup: int, windows: int = 1) -> list[float]:
+    """Milliseconds per step, one figure per window of `iters` steps dispatched without waiting (each takes the
+    previous one's donated caches, so they run in order) and the host blocking once at the window's end: the
+    device's time per step while the host stays ahead, as in the engine's overlapped loop. Timing each call with a
+    wait after it adds that call's dispatch latency to every step. Several windows in a row show the spread within
+    one process (under the H200's power cap runs differ by ~1-2%)."""
     logits = None
     for _ in range(warmup):
         caches, logits = call(caches)
     jax.block_until_ready(logits)
-    t = time.perf_counter()
-    for _ in range(iters):
-        caches, logits = call(caches)
-    jax.block_until_ready(logits)
-    return 1e3 * (time.perf_counter() - t) / iters
+    out = []
+    for _ in range(windows):
+        t = time.perf_counter()
+        for _ in range(iters):
+            caches, logits = call(caches)
+        jax.block_until_ready(logits)
+        out.append(1e3 * (time.perf_counter() - t) / iters)
+    return out
 
 
 def bench_v3_slice(args, info) -> dict:
@@ -447,10 +451,11 @@ def bench_v3_slice(args, info) -> dict:
             args_ = (tokens, positions, slots, block_table, seq_lens)
             closed = jax.jit(lambda w, c: decode_step(graphdef, w, c, *args_, backend=name,
                                                       interpret=args.interpret), donate_argnums=1)
-            row["decode_step_back_to_back_ms"] = back_to_back_ms(lambda c: closed(weights, c), fresh(),
-                                                                 args.iters, args.warmup)
+            runs = back_to_back_ms(lambda c: closed(weights, c), fresh(), args.iters, args.warmup, args.windows)
+            row.update(decode_step_back_to_back_ms=statistics.median(runs), decode_step_back_to_back_ms_runs=runs)
             print(f"  backend {name:12s} steps back to back {row['decode_step_back_to_back_ms']:8.2f} ms per step "
-                  f"x{row['decode_step_back_to_back_ms'] / out['roofline_ms']:.2f} of the roofline", flush=True)
+                  f"x{row['decode_step_back_to_back_ms'] / out['roofline_ms']:.2f} of the roofline (median of "
+                  f"{len(runs)} windows, {min(runs):.2f}-{max(runs):.2f})", flush=True)
             # the same step compiled as one CUDA graph, as the engine's fused decode loop is: the wall time above
             # includes the host launching every kernel of 4 layers (H200, d8350b0: dense MLP 0.91 ms wall vs 0.17
             # ms of kernels)
@@ -471,11 +476,13 @@ def bench_v3_slice(args, info) -> dict:
                 gclosed = jax.jit(lambda w, c: decode_step(graphdef, w, c, *args_, backend=name,
                                                            interpret=args.interpret),
                                   donate_argnums=1, compiler_options=graph_opts)
-                row["decode_step_graph_back_to_back_ms"] = back_to_back_ms(lambda c: gclosed(weights, c), fresh(),
-                                                                           args.iters, args.warmup)
+                runs = back_to_back_ms(lambda c: gclosed(weights, c), fresh(), args.iters, args.warmup,
+                                       args.windows)
+                row.update(decode_step_graph_back_to_back_ms=statistics.median(runs),
+                           decode_step_graph_back_to_back_ms_runs=runs)
                 print(f"  backend {name:12s} CUDA graph back to back {row['decode_step_graph_back_to_back_ms']:8.2f}"
                       f" ms per step x{row['decode_step_graph_back_to_back_ms'] / out['roofline_ms']:.2f} of the "
-                      f"roofline", flush=True)
+                      f"roofline (median of {len(runs)} windows, {min(runs):.2f}-{max(runs):.2f})", flush=True)
                 row.update(decode_step_graph_ms_median=1e3 * statistics.median(gtimes),
                            decode_step_graph_ms_min=1e3 * min(gtimes),
                            step_graph_over_roofline=1e3 * statistics.median(gtimes) / out["roofline_ms"])
@@ -559,6 +566,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="auto", help="comma-separated mla_decode backends for --v3-slice")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--windows", type=int, default=5,
+                    help="--v3-slice: back-to-back windows of --iters steps each (the median is reported, all kept)")
     ap.add_argument("--commit", default=None, help="git commit to record when the tree has no .git")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/generate_<mode>_<device>.json)")
     args = ap.parse_args(argv)

@@ -384,14 +384,9 @@ def awq_fixture(tmp_path_factory):
     conv_dir = str(root / "converted")
     convert_checkpoint(awq_dir, conv_dir, progress=False)
     # a directory as the version 2 converter wrote it (the packed layout's version 2 word order): repacked at load
-    from mla_jax.checkpoint import converted
-    from pallas_kernels.w4a16 import layout
+    from test_convert import convert_as_version_2
     v2_dir = str(root / "converted_v2")
-    v3_pack_q = layout.pack_q
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(converted, "VERSION", 2)
-        mp.setattr(layout, "pack_q", lambda q, xp=np: layout.swap_word_halves(v3_pack_q(q, xp=xp), xp=xp))
-        convert_checkpoint(awq_dir, v2_dir, progress=False)
+    convert_as_version_2(awq_dir, v2_dir)
     return {"awq_safetensors": awq_dir, "converted_orbax": conv_dir, "converted_orbax_v2": v2_dir}
 
 

@@ -107,17 +107,23 @@ def test_layout_and_manifest(dirs):
     assert not [p for p in os.listdir(dirs["root"]) if ".tmp-" in p]
 
 
-def test_version_2_directory_is_repacked_at_load(dirs, tmp_path, monkeypatch, caplog):
+def convert_as_version_2(src: str, dst: str) -> None:
+    """convert_checkpoint as the version 2 converter wrote: AWQ words in the packed layout's version 2 order and a
+    version 2 manifest (also used by tests/sharding_8dev_cases.py)."""
+    from pallas_kernels.w4a16 import layout
+    v3_pack_q = layout.pack_q
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(converted, "VERSION", 2)
+        mp.setattr(layout, "pack_q", lambda q, xp=np: layout.swap_word_halves(v3_pack_q(q, xp=xp), xp=xp))
+        converted.convert_checkpoint(src, dst, progress=False)
+
+
+def test_version_2_directory_is_repacked_at_load(dirs, tmp_path, caplog):
     """A directory written by the version 2 converter (AWQ words in the layout's version 2 order) loads to the
     same parameters as a version 3 one, on the host path and through the sharded (orbax-into-shardings) path."""
     import jax
-    from pallas_kernels.w4a16 import layout
     v2 = str(tmp_path / "awq_v2")
-    v3_pack_q = layout.pack_q
-    with monkeypatch.context() as mp:     # the version 2 converter: version 2 word order, version 2 manifest
-        mp.setattr(converted, "VERSION", 2)
-        mp.setattr(layout, "pack_q", lambda q, xp=np: layout.swap_word_halves(v3_pack_q(q, xp=xp), xp=xp))
-        converted.convert_checkpoint(dirs["awq"], v2, progress=False)
+    convert_as_version_2(dirs["awq"], v2)
     m = json.load(open(os.path.join(v2, "manifest.json")))
     assert m["version"] == 2
     ref = flat_params(mla_jax.load_model(dirs["awq_conv"], "float32")[0])

@@ -131,12 +131,13 @@ def _kernel(block_expert_ref, row_token_ref, row_weight_ref, x_ref, w_ref, s_ref
             for u in range(2):     # bits 4 m + 16 u = nibble m + 4 u of the word
               planes[4 * h + m, u] = plane_fn(words, m + 4 * u)
         for gi in range(groups_per_chunk):
-          jus = [(j, u) for j in range(gi * planes_per_group, (gi + 1) * planes_per_group) for u in range(2)]
+          js = range(gi * planes_per_group, (gi + 1) * planes_per_group)
+          jus = [(j, u) for j in js for u in range(2)]
           if swap:   # [BN, 16] x [16, bm] -> [BN, bm]
             d = sum(pltriton.dot(planes[ju], xs[ju]) for ju in jus)
           else:      # [bm, 16] x [16, BN] -> [bm, BN]
             d = sum(pltriton.dot(xs[ju], planes[ju]) for ju in jus)
-          xsum = sum(xsums[j] for j in range(gi * planes_per_group, (gi + 1) * planes_per_group))
+          xsum = sum(xsums[j] for j in js)
           g = c * groups_per_chunk + gi
           sc = s_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32)         # [1, BN]
           zo = (z_ref[expert, pl.ds(g, 1), pl.ds(col, block_n)].astype(jnp.float32) + _MAGIC) * sc

@@ -34,23 +34,34 @@ def test_dense_vs_float64(backend, m):
 
 
 def _moe_cases():
-  return gpu_backends() + (["mosaic_sm90+gather_kernel"] if "mosaic_sm90" in gpu_backends() else [])
+  extra = ["mosaic_sm90+gather_kernel", "mosaic_sm90+x_reuse=2+splits=1", "mosaic_sm90+x_reuse=4+splits=1"]
+  return gpu_backends() + (extra if "mosaic_sm90" in gpu_backends() else [])
+
+
+def _options(spec: str) -> dict | None:
+  """"a+b=2" -> {"a": True, "b": 2}: the config options of a case name after its backend."""
+  out = {}
+  for item in filter(None, spec.split("+")):
+    key, _, value = item.partition("=")
+    out[key] = int(value) if value else True
+  return out or None
 
 
 @pytest.mark.parametrize("backend", _moe_cases())
 @pytest.mark.parametrize("t", [1, 16, 64, 256, 512])
 def test_moe_vs_float64(backend, t):
   """E = 16, top-2: block_m 8 / 8 / 16 / 32 / 64 (256 and 512 tokens average 32 and 64 rows per expert, as a
-  prefill). "+gather_kernel": the opt-in row gather that writes only valid rows (gather_sm90)."""
+  prefill). "+gather_kernel": the opt-in row gather that writes only valid rows (gather_sm90); "+x_reuse=R":
+  the blocks' x resident in SMEM across super-units of R column tiles (unsplit units only, hence splits=1)."""
   rng = np.random.default_rng(2000 + t)
   e, d, i, g, k = 16, 1024, 512, 64, 2
   gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)
   ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
   wts = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
-  name, _, option = backend.partition("+")
+  name, _, options = backend.partition("+")
   y = np.asarray(api.w4a16_moe(x, jnp.asarray(ids), jnp.asarray(wts), w13, w2, backend=name,
-                               config={option: True} if option else None), np.float64)
+                               config=_options(options)), np.float64)
   assert np.isfinite(y).all()
   xd = np.asarray(x, np.float64)
   ref = np.zeros((t, d))

@@ -398,6 +398,66 @@ def test_unit_scales_moe_and_lowering(cfg, monkeypatch):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("r,ctas,extra", [(2, 2, {}),                                    # 2 super-units a CTA
+                                           (4, 1, dict(overlap=False)),                    # one CTA walks both
+                                           (2, 3, dict(convert_in_producer=True, fold="fma", g=128))])
+def test_x_reuse_gives_the_same_bits(r, ctas, extra, monkeypatch):
+  """x_reuse: super-units of r column tiles with the block's x resident in SMEM, refilled once the previous
+  super-unit's consumers freed each chunk's slot. The same products in the same order: the same output bits."""
+  extra = dict(extra)
+  g = extra.pop("g", 64)
+  rng = np.random.default_rng(700 + r + ctas)
+  q, z, s = rand_awq(rng, 1024, 1024, g)                  # 4 chunks, 8 column tiles of 128
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((7, 1024)), jnp.bfloat16)
+  base = dict(stream_k=False, splits=1, num_ctas=ctas, **extra)
+  taken = _record_kernel_args(monkeypatch, "x_reuse")
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
+  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, x_reuse=r))
+  assert taken == [1, r]
+  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+
+
+def test_x_reuse_moe_vs_float64_and_lowering(monkeypatch):
+  """Both MoE kernels with x resident (gate|up's 2 column tiles and down's 4 as super-units of 2, blocks of
+  several experts walked by 2 CTAs), against float64; the GPU path lowers, also with the compute_only ablation."""
+  taken = _record_kernel_args(monkeypatch, "x_reuse")
+  err, w13 = small_moe_vs_float64(61, dict(x_reuse=2, splits=1))      # (unsplit: K splits keep x per chunk)
+  assert err < 1.5e-2
+  assert taken == [2, 2]
+  err, _ = small_moe_vs_float64(61, dict(x_reuse=2, splits=1, convert_in_producer=True, fold="fma"))
+  assert err < 1.5e-2
+  xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  for c in (dict(x_reuse=2), dict(x_reuse=2, convert_in_producer=True, fold="fma", ablate="compute_only")):
+    text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(c, stream_k=False, splits=1, num_ctas=132)), xs,
+                          first_expert(w13))
+    assert "wgmma" in text
+  assert taken[-2:] == [2, 2]
+
+
+def test_x_reuse_only_where_it_applies(monkeypatch):
+  """x stays per chunk with K splits, stream-K, a tile count R does not divide, or where the x slots do not fit
+  beside the ring at x_reuse_min_stages; the kernel refuses an inconsistent request."""
+  rng = np.random.default_rng(9)
+  w = to_device(layout.pack(*rand_awq(rng, 1024, 384, 64), 64, xp=np))            # 3 column tiles
+  x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
+  taken = _record_kernel_args(monkeypatch, "x_reuse")
+  unsplit = dict(stream_k=False, splits=1)
+  for cfg in (dict(x_reuse=3, splits=2, stream_k=False), dict(x_reuse=3), dict(unsplit, x_reuse=2),
+              dict(unsplit, x_reuse=3), dict(unsplit, x_reuse=3, x_reuse_min_stages=5)):
+    api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(cfg, num_ctas=2))
+  assert taken == [1, 1, 1, 3, 1]
+  # gate|up of a DeepSeek-V3 expert (K 7168, 28 chunks) at g128 with the producer's conversion: the resident x
+  # (8 rows: 119 KiB with X) fits beside unit_scales at 3 stages, not 4; at g64 unit_scales' slots leave no room
+  assert ms.smem_bytes(8, 128, 3, True, True, 56, 28) <= ms.SMEM_LIMIT < ms.smem_bytes(8, 128, 4, True, True, 56, 28)
+  assert ms.smem_bytes(8, 64, 3, True, True, 112, 28) > ms.SMEM_LIMIT
+  with pytest.raises(ValueError, match="x_reuse"):
+    ms._kernel_call(num_blocks=1, block_m=8, tiles=3, splits=1, chunks_per_split=4, n_chunks=4, group=64, n_pad=384,
+                    gated=False, up_offset=192, out_dtype=jnp.bfloat16, num_stages=2, consumer_registers=232,
+                    producer_registers=40, overlap=True, num_ctas=2, interpret=True, x_reuse=2)
+
+
 def test_stream_k_plan():
   """Each CTA at most one chunk above the mean; every unit's chunks covered once by its segments' slots."""
   for units, n, ctas in [(144, 28, 132), (56, 72, 132), (6, 4, 4), (3, 5, 7), (1, 1, 3)]:

@@ -33,8 +33,26 @@ def test_dense_vs_float64(backend, m):
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 16, 33, 64, 128])
+@pytest.mark.parametrize("sub", [2, 4])
+def test_dense_sub_tiles_vs_float64(m, sub):
+  """mosaic_sm90 with `sub` 64-column sub-tiles per consumer (opt-in sub_tiles): register A operands of several
+  sub-tiles in flight, which interpret mode does not run."""
+  if "mosaic_sm90" not in gpu_backends():
+    pytest.skip("mosaic_sm90 needs Hopper")
+  rng = np.random.default_rng(1100 + m + sub)
+  k, n, g = 2048, 1536, 64
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  y = np.asarray(api.w4a16_matmul(x, w, backend="mosaic_sm90", config=dict(sub_tiles=sub)), np.float64)
+  assert y.shape == (m, n) and np.isfinite(y).all()
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+
+
 def _moe_cases():
-  extra = ["mosaic_sm90+gather_kernel", "mosaic_sm90+x_reuse=2+splits=1", "mosaic_sm90+x_reuse=4+splits=1"]
+  extra = ["mosaic_sm90+gather_kernel", "mosaic_sm90+x_reuse=2+splits=1", "mosaic_sm90+x_reuse=4+splits=1",
+           "mosaic_sm90+sub_tiles=2", "mosaic_sm90+sub_tiles=2+x_reuse=2+splits=1"]
   return gpu_backends() + (extra if "mosaic_sm90" in gpu_backends() else [])
 
 
@@ -52,7 +70,8 @@ def _options(spec: str) -> dict | None:
 def test_moe_vs_float64(backend, t):
   """E = 16, top-2: block_m 8 / 8 / 16 / 32 / 64 (256 and 512 tokens average 32 and 64 rows per expert, as a
   prefill). "+gather_kernel": the opt-in row gather that writes only valid rows (gather_sm90); "+x_reuse=R":
-  the blocks' x resident in SMEM across super-units of R column tiles (unsplit units only, hence splits=1)."""
+  the blocks' x resident in SMEM across super-units of R column tiles (unsplit units only, hence splits=1);
+  "+sub_tiles=2": two 64-column sub-tiles per consumer warpgroup."""
   rng = np.random.default_rng(2000 + t)
   e, d, i, g, k = 16, 1024, 512, 64, 2
   gate, up, down, w13, w2 = make_moe(rng, e, d, i, g)

@@ -458,6 +458,44 @@ def test_x_reuse_only_where_it_applies(monkeypatch):
                     producer_registers=40, overlap=True, num_ctas=2, interpret=True, x_reuse=2)
 
 
+@pytest.mark.parametrize("m,sub,extra", [(7, 2, dict(stream_k=False, splits=2)),          # 8-row blocks, K splits
+                                          (40, 2, dict(stream_k=False, splits=1)),         # one 64-row block
+                                          (70, 2, {}),                                      # stream-K, 2 blocks
+                                          (9, 2, dict(convert_in_producer=True, fold="fma", stream_k=False)),
+                                          (9, 4, dict(stream_k=False))])
+def test_sub_tiles_give_the_same_bits(m, sub, extra, monkeypatch):
+  """sub_tiles: each consumer owns `sub` 64-column sub-tiles of a unit (one accumulator each, one x tile for all).
+  Each output column sees the same products in the same order: the same bits as one sub-tile per consumer. N =
+  640 is 5 tiles of 128 columns, so with 256- / 512-column units the last unit's sub-tiles past N are not stored."""
+  rng = np.random.default_rng(800 + m + sub)
+  q, z, s = rand_awq(rng, 1024, 640, 64)
+  w = to_device(layout.pack(q, z, s, 64, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+  base = dict(num_ctas=3, **extra)
+  taken = _record_kernel_args(monkeypatch, "sub_tiles")
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
+  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, sub_tiles=sub))
+  assert taken == [1, sub]
+  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+
+
+def test_sub_tiles_moe_vs_float64_and_lowering(monkeypatch):
+  """Both MoE kernels with 2 sub-tiles per consumer (gate|up's gated epilogue hands 2 up accumulators over), also
+  with x_reuse on top; the GPU path lowers at 8- and 64-row blocks."""
+  taken = _record_kernel_args(monkeypatch, "sub_tiles")
+  err, w13 = small_moe_vs_float64(71, dict(sub_tiles=2))
+  assert err < 1.5e-2 and taken == [2, 2]            # gate|up: I = 128 is one tile of 2 gate (and up) sub-tiles
+  err, _ = small_moe_vs_float64(71, dict(sub_tiles=2, x_reuse=2, splits=1, convert_in_producer=True, fold="fma"))
+  assert err < 1.5e-2
+  for rows in (5, 64):
+    xs = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16)
+    text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(sub_tiles=2, num_ctas=132)), xs,
+                          first_expert(w13))
+    assert "wgmma" in text
+  assert taken[-2:] == [2, 2]
+
+
 def test_stream_k_plan():
   """Each CTA at most one chunk above the mean; every unit's chunks covered once by its segments' slots."""
   for units, n, ctas in [(144, 28, 132), (56, 72, 132), (6, 4, 4), (3, 5, 7), (1, 1, 3)]:

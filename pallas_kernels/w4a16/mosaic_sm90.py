@@ -70,7 +70,8 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=True, stream_k=False, gather_kernel=False, x_reuse=1, x_reuse_min_stages=3)
+                      unit_scales=True, stream_k=False, gather_kernel=False, x_reuse=1, x_reuse_min_stages=3,
+                      sub_tiles=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
@@ -147,6 +148,12 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # whole unit behind the producer, so the refill never waits. Applies to unsplit units on the persistent grid where
 # SMEM holds the x slots beside the ring (with unit_scales as it would be chosen) at x_reuse_min_stages or more
 # stages, and at most 32 chunks (one barrier array's phase bits); elsewhere x comes per chunk as before.
+# sub_tiles = R: each consumer warpgroup owns R 64-column sub-tiles of a unit (R accumulators; a unit spans
+# 128 R columns, gated: 64 R gate and the same up columns), so every x tile copied into the ring serves R times the
+# weight columns. Aimed at 64-row blocks (every dense linear at batch 33-64: x is 32 KiB a chunk against 16 KiB of
+# words, copied again for every column tile). A consumer decodes sub-tile r + 1 while sub-tile r's wgmmas run;
+# with the overlap (block_m <= 32) at most one sub-tile's wgmmas stay in flight, so the A registers held are
+# those of two sub-tiles as before.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
@@ -361,22 +368,25 @@ def _store_transposed_gpu(acc, out_ref, rows_ref=None):
 
 
 def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False,
-               unit_groups: int = 0, x_chunks: int = 0) -> int:
+               unit_groups: int = 0, x_chunks: int = 0, sub_tiles: int = 1) -> int:
   """unit_groups: the groups of a work unit whose scales and zeros are held per unit (two units' worth, see
-  unit_scales) instead of per stage. x_chunks: the chunks of x held resident (x_reuse) instead of per stage."""
+  unit_scales) instead of per stage. x_chunks: the chunks of x held resident (x_reuse) instead of per stage.
+  sub_tiles: 64-column sub-tiles per consumer."""
+  slots = NUM_CONSUMERS * sub_tiles              # 64-column sub-tiles of a unit
   x_tile = block_m * (layout.CHUNK_K + CORR_K * fma) * 2
-  per_stage = (NUM_CONSUMERS * WORD_ROWS * SUB_N * 4
-               + NUM_CONSUMERS * (layout.CHUNK_K // group) * SUB_N * (3 * (not unit_groups) + 4 * convert + 2 * fma)
+  per_stage = (slots * WORD_ROWS * SUB_N * 4
+               + slots * (layout.CHUNK_K // group) * SUB_N * (3 * (not unit_groups) + 4 * convert + 2 * fma)
                + x_tile * (not x_chunks))
-  per_unit = 2 * NUM_CONSUMERS * unit_groups * SUB_N * 3
-  return stages * per_stage + per_unit + x_chunks * x_tile + NUM_CONSUMERS * SUB_N * block_m * 4 + 2048
+  per_unit = 2 * slots * unit_groups * SUB_N * 3
+  return stages * per_stage + per_unit + x_chunks * x_tile + slots * SUB_N * block_m * 4 + 2048
 
 
 def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False, fma: bool = False,
-                   unit_groups: int = 0, x_chunks: int = 0) -> int:
+                   unit_groups: int = 0, x_chunks: int = 0, sub_tiles: int = 1) -> int:
   """The deepest ring (at most `most` stages, at least 2) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
   stages = most
-  while stages > 2 and smem_bytes(block_m, group, stages, convert, fma, unit_groups, x_chunks) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(block_m, group, stages, convert, fma, unit_groups, x_chunks,
+                                  sub_tiles) > SMEM_LIMIT:
     stages -= 1
   return stages
 
@@ -386,11 +396,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
-                 fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0, x_reuse: int = 1):
+                 fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0, x_reuse: int = 1,
+                 sub_tiles: int = 1):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
   stream_k = S > 0 (routing.stream_k_plan's slot count for these units): the persistent CTAs split the chunks of
   all num_blocks x tiles units evenly, each writing a float32 partial per unit it touches into slot `segment` of
-  [S, rows, N_pad]. x_reuse = R > 1: super-units of R column tiles with the block's x resident (x_reuse above)."""
+  [S, rows, N_pad]. x_reuse = R > 1: super-units of R column tiles with the block's x resident (x_reuse above).
+  sub_tiles: 64-column sub-tiles per consumer (a column tile is 128 sub_tiles columns, gated 64 sub_tiles)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma
@@ -431,7 +443,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                      f"splits{', stream-K' if stream_k else ''}), a column tile count ({tiles}) it divides, at most "
                      f"32 chunks (got {n_chunks}) and no 'nox' ablation.")
   x_chunks = n_chunks if xr else 0
-  need = smem_bytes(block_m, group, stages, convert, fma, ug, x_chunks)
+  sub = int(sub_tiles)
+  if sub not in (1, 2, 4):
+    raise ValueError(f"w4a16 mosaic_sm90: sub_tiles {sub_tiles} must be 1, 2 or 4.")
+  if gated and (n_pad // 2) != tiles * sub * SUB_N:
+    raise ValueError(f"w4a16 mosaic_sm90: gated {tiles} tiles of {sub} sub-tiles do not cover {n_pad // 2} columns.")
+  n_sub = NUM_CONSUMERS * sub                      # 64-column sub-tiles of a unit: v = w * sub + r for consumer w
+  need = smem_bytes(block_m, group, stages, convert, fma, ug, x_chunks, sub)
   if need > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need {need} bytes of SMEM (limit "
                      f"{SMEM_LIMIT}){' with x resident' if xr else ''}; lower num_stages.")
@@ -439,15 +457,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   corr = fma and "corr" not in ablations         # the fma fold's correction wgmma
   # the arrivals that complete a stage: one per copy (words per consumer, x, X of the fma's correction; scales
   # and zeros per consumer unless they come per unit), or the converter's one in place of the scales and zeros
-  n_loaded = NUM_CONSUMERS + (0 if xr else 1 + fma) + (1 if convert else 0 if unit_sz else 2 * NUM_CONSUMERS)
-  sz_shape = (2, NUM_CONSUMERS, ug, SUB_N) if unit_sz else (stages, NUM_CONSUMERS, gpc, SUB_N)
+  n_loaded = n_sub + (0 if xr else 1 + fma) + (1 if convert else 0 if unit_sz else 2 * n_sub)
+  sz_shape = (2, n_sub, ug, SUB_N) if unit_sz else (stages, n_sub, gpc, SUB_N)
   scratch = dict(
-      ring_w=plgpu.SMEM((stages, NUM_CONSUMERS, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
+      ring_w=plgpu.SMEM((stages, n_sub, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
       ring_s=plgpu.SMEM(sz_shape, jnp.float16),       # per stage, or per unit (two units) with unit_scales
       ring_z=plgpu.SMEM(sz_shape, jnp.uint8),
       # x per stage, or (x_reuse) the block's x resident, one slot per chunk
       ring_x=plgpu.SMEM((n_chunks if xr else stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
-      xch=plgpu.SMEM((SUB_N, block_m), jnp.float32),                    # the up accumulator, gated epilogue
+      xch=plgpu.SMEM((sub, SUB_N, block_m), jnp.float32),               # the up accumulators, gated epilogue
       # the copies of a stage (weights, x; scales and zeros too unless the producer converts them, then its one
       # arrival after converting)
       loaded=plgpu.Barrier(num_arrivals=n_loaded, num_barriers=stages),
@@ -455,18 +473,18 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       upbar=plgpu.Barrier(num_arrivals=1),
       xfree=plgpu.Barrier(num_arrivals=1))
   if convert:
-    scratch["ring_sb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
-    scratch["ring_zb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)
+    scratch["ring_sb"] = plgpu.SMEM((stages, n_sub, gpc, SUB_N), jnp.bfloat16)
+    scratch["ring_zb"] = plgpu.SMEM((stages, n_sub, gpc, SUB_N), jnp.bfloat16)
     if not unit_sz:
-      scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=stages)
+      scratch["sz_loaded"] = plgpu.Barrier(num_arrivals=2 * n_sub, num_barriers=stages)
   if unit_sz:
-    # a unit's scales and zeros (2 copies per consumer) in one of two slots; released by the consumers at the
+    # a unit's scales and zeros (2 copies per sub-tile) in one of two slots; released by the consumers at the
     # unit's end, or (convert) by the producer itself once it converted the unit's last chunk
-    scratch["unit_loaded"] = plgpu.Barrier(num_arrivals=2 * NUM_CONSUMERS, num_barriers=2)
+    scratch["unit_loaded"] = plgpu.Barrier(num_arrivals=2 * n_sub, num_barriers=2)
     if not convert:
       scratch["unit_free"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2)
   if fma:
-    scratch["ring_eb"] = plgpu.SMEM((stages, NUM_CONSUMERS, gpc, SUB_N), jnp.bfloat16)       # -e per group, column
+    scratch["ring_eb"] = plgpu.SMEM((stages, n_sub, gpc, SUB_N), jnp.bfloat16)       # -e per group, column
     scratch["ring_xs"] = plgpu.SMEM((n_chunks if xr else stages, block_m, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
     if not on_gpu:
       scratch["corr_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
@@ -528,15 +546,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       # so the next unit's loads overlap this unit's last chunks and its epilogue. With x_reuse it runs super-units
       # c, c + G, ... instead, each its R units in a row (splits == 1: unit = block * tiles + column tile)
       cta = lax.axis_index("c")
-      sub = tiles // xr if xr else 1                    # super-units per block
+      supers = tiles // xr if xr else 1                 # super-units per block
       my_units = jnp.maximum(counts_ref[0] * units_per_block // (xr or 1) - cta + num_ctas - 1, 0) // num_ctas
       my_units = my_units * (xr or 1)
 
       def nth_unit(i):
         if not xr:
           return unit(cta + i * num_ctas)
-        v = cta + (i // xr) * num_ctas
-        return unit((v // sub) * tiles + lax.rem(v, sub) + sub * lax.rem(i, xr))
+        su = cta + (i // xr) * num_ctas
+        return unit((su // supers) * tiles + lax.rem(su, supers) + supers * lax.rem(i, xr))
 
       def for_each_unit(fn):
         """fn(unit info, chunks before it, its ordinal) -> its chunks; returns (chunks, units)."""
@@ -550,11 +568,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         return fn(this_unit, jnp.int32(0), jnp.int32(0)), jnp.int32(1)
       active = this_unit[3] >= 0                        # expert -1: a block not in use
 
-    def column(p, w: int):
+    def column(p, v: int):
+      """First weight column of sub-tile v = w * sub + r (consumer w's r-th) of column tile p."""
       if gated:
-        return w * up_offset + p * SUB_N
-      # a sub-tile past N_pad (N_pad not a multiple of 128) re-reads sub-tile 0 and is not stored
-      return jnp.minimum(p * (NUM_CONSUMERS * SUB_N) + w * SUB_N, n_pad - SUB_N)
+        return (v // sub) * up_offset + (p * sub + v % sub) * SUB_N
+      # a sub-tile past N_pad (N_pad not a multiple of the tile) re-reads the last one and is not stored
+      return jnp.minimum(p * (n_sub * SUB_N) + v * SUB_N, n_pad - SUB_N)
 
     @pl.when(active)
     def _active():
@@ -595,13 +614,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             pl.when(ordinal >= 2)(lambda: plgpu.barrier_wait(r["unit_free"].at[uslot]))
           if "compute_only" in ablations:     # the arrivals the copies would make (a converter waits for none)
             if not convert:
-              for _ in range(2 * NUM_CONSUMERS):
+              for _ in range(2 * n_sub):
                 plgpu.barrier_arrive(r["unit_loaded"].at[uslot])
             return
-          for w in range(NUM_CONSUMERS):
-            col = pl.ds(column(p, w), SUB_N)
+          for v in range(n_sub):
+            col = pl.ds(column(p, v), SUB_N)
             for src, dst in ((s_ref, ring_s), (z_ref, ring_z)):
-              plgpu.copy_gmem_to_smem(src.at[expert, pl.ds(c_lo * gpc, ug), col], dst.at[uslot, w],
+              plgpu.copy_gmem_to_smem(src.at[expert, pl.ds(c_lo * gpc, ug), col], dst.at[uslot, v],
                                       r["unit_loaded"].at[uslot])
 
         def copy_x(b, c, dst, bar):
@@ -644,18 +663,18 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               return ()
             sz_bar = r["sz_loaded"].at[slot] if convert and not unit_sz else loaded.at[slot]
             if "nosz" in ablations:     # the arrivals the scale and zero copies would make, no bytes
-              for _ in range(2 * NUM_CONSUMERS):
+              for _ in range(2 * n_sub):
                 plgpu.barrier_arrive(sz_bar)
             if "nox" in ablations:
               for _ in range(1 + fma):
                 plgpu.barrier_arrive(loaded.at[slot])
-            for w in range(NUM_CONSUMERS):
-              col = pl.ds(column(p, w), SUB_N)
-              plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, w],
+            for v in range(n_sub):
+              col = pl.ds(column(p, v), SUB_N)
+              plgpu.copy_gmem_to_smem(w_ref.at[expert, pl.ds(c * WORD_ROWS, WORD_ROWS), col], ring_w.at[slot, v],
                                       loaded.at[slot])
               if not unit_sz and "nosz" not in ablations:
-                plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, w], sz_bar)
-                plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, w], sz_bar)
+                plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, v], sz_bar)
+                plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, v], sz_bar)
             if "nox" not in ablations and not xr:
               copy_x(b, c, slot, loaded.at[slot])
             if convert:
@@ -692,7 +711,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def chunk_products(acc_ref, slot, uslot, idx, xslot):
+        def chunk_products(acc_ref, slot, uslot, idx, xslot, v):
+          """acc_ref += sub-tile v's products of the chunk in ring stage `slot` (x in ring_x slot xslot)."""
           if "load_only" in ablations:
             return
           biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
@@ -703,10 +723,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               scales.append(plgpu.layout_cast(jnp.full((SUB_N, ppw * PLANE), 0.5, jnp.bfloat16), plgpu.Layout.WGMMA))
               continue
             if convert:
-              s16, z16 = [plgpu.load(ref.at[slot, w, gi], layout=_ROW, optimized=False) if on_gpu
-                          else ref[slot, w, gi] for ref in (r["ring_sb"], r["ring_zb"])]
+              s16, z16 = [plgpu.load(ref.at[slot, v, gi], layout=_ROW, optimized=False) if on_gpu
+                          else ref[slot, v, gi] for ref in (r["ring_sb"], r["ring_zb"])]
             else:
-              at = (uslot, w, idx * gpc + gi) if unit_sz else (slot, w, gi)
+              at = (uslot, v, idx * gpc + gi) if unit_sz else (slot, v, gi)
               if on_gpu:
                 s = plgpu.load(ring_s.at[at], layout=_ROW, optimized=False)
                 z = plgpu.load(ring_z.at[at], layout=_ROW, optimized=False)
@@ -720,10 +740,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             if "words" in ablations:
               words = plgpu.layout_cast(jnp.full((WORD_ROWS, SUB_N), 0x01234567, jnp.int32), WORDS_LAYOUT)
             else:
-              words = plgpu.load(ring_w.at[slot, w], layout=WORDS_LAYOUT, optimized=False)
+              words = plgpu.load(ring_w.at[slot, v], layout=WORDS_LAYOUT, optimized=False)
             arrays = _decode_planes_gpu(ppw, raw="decode" in ablations)(words)
           else:
-            arrays = _decode_planes_jnp(ring_w[slot, w], ppw)
+            arrays = _decode_planes_jnp(ring_w[slot, v], ppw)
 
           def folded(i, a):
             """Array i (planes ppw i .. ppw i + ppw - 1, all of quantization group ppw i // ppg) -> (q - z) s."""
@@ -746,9 +766,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             # acc += (-e) . X: columns (group g, hi / lo) of the chunk, X's rows likewise
             xst = r["ring_xs"].at[xslot].transpose((1, 0))                                      # [16, bm]
             if on_gpu:
-              plgpu.wgmma(acc_ref, _corr_operand_gpu(gpc)(r["ring_eb"].at[slot, w]), xst)
+              plgpu.wgmma(acc_ref, _corr_operand_gpu(gpc)(r["ring_eb"].at[slot, v]), xst)
             else:
-              e = r["ring_eb"][slot, w]                                                          # [gpc, 64]
+              e = r["ring_eb"][slot, v]                                                          # [gpc, 64]
               a_c = jnp.pad(jnp.repeat(e.T, 2, axis=1), ((0, 0), (0, CORR_K - 2 * gpc)))
               r["corr_smem"][w] = a_c
               plgpu.wgmma(acc_ref, r["corr_smem"].at[w], xst)
@@ -770,20 +790,23 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             if xr:
               pl.when(x_last)(lambda: plgpu.barrier_arrive(r["x_free"].at[c]))
 
-          def run(acc_ref):
+          def run(*acc_refs):
             def step(i, _):
               g = first + i
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(loaded.at[slot])
               if xr:
                 pl.when(x_first)(lambda: plgpu.barrier_wait(r["x_loaded"].at[i]))
-              chunk_products(acc_ref, slot, uslot, i, i if xr else slot)
-              if overlap:
-                # chunk i's products stay in flight while chunk i + 1 decodes: wait only for chunk i - 1's (one
-                # wgmma group per plane), then hand its slot back
-                plgpu.wgmma_wait(layout.NIBBLES // ppw + corr)
-                pl.when(i > 0)(lambda: release(g - 1, i - 1))
-              else:
+              for t, acc_ref in enumerate(acc_refs):      # sub-tile t + 1 decodes while t's products run
+                chunk_products(acc_ref, slot, uslot, i, i if xr else slot, w * sub + t)
+                if overlap:
+                  # sub-tile t's products stay in flight while the next one (of this chunk or chunk i + 1)
+                  # decodes: wait only for the previous one's (one wgmma group per plane); after the first
+                  # sub-tile that was chunk i - 1's last, so its slot goes back
+                  plgpu.wgmma_wait(layout.NIBBLES // ppw + corr)
+                  if t == 0:
+                    pl.when(i > 0)(lambda: release(g - 1, i - 1))
+              if not overlap:
                 plgpu.wgmma_wait(0)
                 release(g, i)
               return ()
@@ -794,41 +817,47 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               pl.when(n_steps > 0)(lambda: release(first + n_steps - 1, n_steps - 1))
             if own_unit_sz:     # every chunk's scales are in registers or consumed: the unit slot is free
               pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
-            return acc_ref[...]
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-          acc = pl.run_scoped(run, plgpu.ACC((SUB_N, block_m), jnp.float32))    # [64 cols, bm] f32
+          # one [64 cols, bm] f32 accumulator per sub-tile
+          accs = pl.run_scoped(run, *[plgpu.ACC((SUB_N, block_m), jnp.float32) for _ in range(sub)])
           rows = pl.ds(b * block_m, block_m)
-          col = column(p, w)
           if gate_in_kernel and w == 1:
-            # hand the up accumulator to warpgroup 0; xch is free again once it read the previous unit's
+            # hand the up accumulators to warpgroup 0; xch is free again once it read the previous unit's
             @pl.when(first > 0)
             def _():
               plgpu.barrier_wait(r["xfree"])
 
-            r["xch"][...] = acc
+            for t, acc in enumerate(accs):
+              r["xch"][t] = acc
             plgpu.commit_smem()
             plgpu.barrier_arrive(r["upbar"])
             return n_steps
           if gate_in_kernel:
             plgpu.barrier_wait(r["upbar"])
-            up = plgpu.load(r["xch"], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu else r["xch"][...]
+            ups = [plgpu.load(r["xch"].at[t], layout=plgpu.Layout.WGMMA, optimized=False) if on_gpu
+                   else r["xch"][t] for t in range(sub)]
             plgpu.barrier_arrive(r["xfree"])
-            acc = acc * jax.nn.sigmoid(acc) * up
-            dst = o_ref.at[rows, pl.ds(p * SUB_N, SUB_N)]
-          elif split:
-            dst = o_ref.at[sp, rows, pl.ds(col, SUB_N)]
-          else:
-            dst = o_ref.at[rows, pl.ds(col, SUB_N)]
-          y = acc.astype(o_ref.dtype)
-          in_range = gated or (p * (NUM_CONSUMERS * SUB_N) + w * SUB_N < n_pad)
-
-          @pl.when(in_range)
-          def _store():
-            if on_gpu:
-              _store_transposed_gpu(y, dst, counts_ref.at[pl.ds(1 + b, 1)])
+            accs = [acc * jax.nn.sigmoid(acc) * up for acc, up in zip(accs, ups)]
+          for t, acc in enumerate(accs):
+            v = w * sub + t
+            col = column(p, v)
+            if gate_in_kernel:
+              dst = o_ref.at[rows, pl.ds((p * sub + t) * SUB_N, SUB_N)]
+            elif split:
+              dst = o_ref.at[sp, rows, pl.ds(col, SUB_N)]
             else:
-              valid = lax.broadcasted_iota(jnp.int32, (block_m, SUB_N), 0) < counts_ref[1 + b]
-              dst[...] = jnp.where(valid, y.T, dst[...])
+              dst = o_ref.at[rows, pl.ds(col, SUB_N)]
+            y = acc.astype(o_ref.dtype)
+            in_range = gated or (p * (n_sub * SUB_N) + v * SUB_N < n_pad)
+
+            @pl.when(in_range)
+            def _store():
+              if on_gpu:
+                _store_transposed_gpu(y, dst, counts_ref.at[pl.ds(1 + b, 1)])
+              else:
+                valid = lax.broadcasted_iota(jnp.int32, (block_m, SUB_N), 0) < counts_ref[1 + b]
+                dst[...] = jnp.where(valid, y.T, dst[...])
           return n_steps
 
         total, _ = for_each_unit(consume)
@@ -855,12 +884,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   return jax.jit(kernel)
 
 
-def sum_stream_k(parts: jax.Array, valid: np.ndarray, block_m: int) -> jax.Array:
+def sum_stream_k(parts: jax.Array, valid: np.ndarray, block_m: int, sub_tiles: int = 1) -> jax.Array:
   """Stream-K partials [S, NB*block_m, N_pad] -> [NB*block_m, N_pad] float32: the sum over the slots each unit
-  (row block, 128-column tile) wrote, valid [S, NB*tiles] (routing.stream_k_plan). Slots a unit did not write
+  (row block, column tile of 128 sub_tiles columns) wrote, valid [S, NB*tiles] (routing.stream_k_plan). Slots a unit did not write
   hold whatever the buffer held and are never added."""
   slots, rows, n_pad = parts.shape
-  nb, cols = rows // block_m, NUM_CONSUMERS * SUB_N
+  nb, cols = rows // block_m, NUM_CONSUMERS * SUB_N * sub_tiles
   tiles = -(-n_pad // cols)
   parts = jnp.pad(parts, ((0, 0), (0, 0), (0, tiles * cols - n_pad))).reshape(slots, nb, block_m, tiles, cols)
   keep = jnp.asarray(valid.reshape(slots, nb, 1, tiles, 1))
@@ -914,10 +943,18 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
     raise ValueError(f"w4a16 mosaic_sm90 is built for group sizes {layout.KERNEL_GROUP_SIZES}, got {w.group_size}.")
   n_chunks = w.k_pad // layout.CHUNK_K
   nb = block_expert.shape[0]
+  sub = int(cfg["sub_tiles"])
+  fma = cfg["fold"] == "fma"
+  convert = bool(cfg["convert_in_producer"])
+  # fewer sub-tiles where the gate half's do not pair up into whole tiles, or where the ring would be too shallow
+  # (the producer's conversion needs 3 stages)
+  while sub > 1 and ((gated and (w.n_pad // 2) % (SUB_N * sub))
+                     or smem_bytes(block_m, w.group_size, 3 if convert else 2, convert, fma, 0, 0, sub) > SMEM_LIMIT):
+    sub //= 2
   if gated:
-    tiles = (w.n_pad // 2) // SUB_N
+    tiles = (w.n_pad // 2) // (SUB_N * sub)
   else:
-    tiles = -(-w.n_pad // (NUM_CONSUMERS * SUB_N))
+    tiles = -(-w.n_pad // (NUM_CONSUMERS * SUB_N * sub))
   if keep_splits and (gated or weighted):
     raise ValueError("grouped_matmul: keep_splits returns unweighted partial sums of a plain (not gated) matmul.")
   num_ctas = 0
@@ -941,30 +978,28 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   elif keep_splits and num_ctas:
     # a split's partials cost a write of its rows and a read in the caller's gather: in chunk-equivalents of one
     # CTA's time, at most rows x N_pad x 4 bytes (only valid rows are written) against a chunk on every CTA
-    chunk_bytes = layout.CHUNK_K * SUB_N * NUM_CONSUMERS // 2
+    chunk_bytes = layout.CHUNK_K * SUB_N * NUM_CONSUMERS * sub // 2
     partial = block_expert.shape[0] * block_m * w.n_pad * 4 / (chunk_bytes * num_ctas)
     splits = routing.balanced_k_splits(n_chunks, busy_blocks * tiles, num_ctas, partial)
   else:
     splits = routing.k_splits(n_chunks, busy_blocks * tiles, cfg["target_programs"])
   cps = -(-n_chunks // splits)
   splits = -(-n_chunks // cps)
-  fma = cfg["fold"] == "fma"
-  convert = bool(cfg["convert_in_producer"])
-  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=convert, fma=fma)
+  stages = cfg["num_stages"] or default_stages(block_m, w.group_size, convert=convert, fma=fma, sub_tiles=sub)
   gpc = layout.CHUNK_K // w.group_size
   # per-unit scales where the units are equal, their two slots fit, and the slots cannot hold the ring back: the
   # consumers free a unit's slot at its end, so with units shorter than the ring the producer could run only two
   # units ahead (the producer's own conversion frees it sooner)
   unit_scales = (bool(cfg["unit_scales"]) and not stream_k and n_chunks % cps == 0 and (convert or cps >= stages)
-                 and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc) <= SMEM_LIMIT)
+                 and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc, 0, sub) <= SMEM_LIMIT)
   x_reuse = int(cfg["x_reuse"])
   if x_reuse > 1 and num_ctas and not stream_k and splits == 1 and tiles % x_reuse == 0 and n_chunks <= 32:
     # the block's x resident beside the ring and unit_scales as chosen: the deepest ring that fits, if it is
     # at least x_reuse_min_stages deep (an explicit num_stages must fit as it is)
     ug = cps * gpc if unit_scales else 0
-    x_stages = cfg["num_stages"] or default_stages(block_m, w.group_size, stages, convert, fma, ug, n_chunks)
+    x_stages = cfg["num_stages"] or default_stages(block_m, w.group_size, stages, convert, fma, ug, n_chunks, sub)
     if (x_stages >= max(int(cfg["x_reuse_min_stages"]), 3 if convert else 2)
-        and smem_bytes(block_m, w.group_size, x_stages, convert, fma, ug, n_chunks) <= SMEM_LIMIT):
+        and smem_bytes(block_m, w.group_size, x_stages, convert, fma, ug, n_chunks, sub) <= SMEM_LIMIT):
       stages = x_stages
     else:
       x_reuse = 1
@@ -1007,13 +1042,13 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
-                      stream_k=slots if stream_k else 0, x_reuse=x_reuse)
+                      stream_k=slots if stream_k else 0, x_reuse=x_reuse, sub_tiles=sub)
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
   counts = jnp.concatenate([jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1),
                             jnp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=jnp.int32)])
   out = call(block_expert, counts, xb, w.packed, w.scales, w.zeros, *extra)
   if stream_k:
-    out = sum_stream_k(out, valid, block_m)
+    out = sum_stream_k(out, valid, block_m, sub)
   elif splits > 1 and keep_splits:
     return out
   elif splits > 1:

@@ -799,12 +799,13 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 pl.when(x_first)(lambda: plgpu.barrier_wait(r["x_loaded"].at[i]))
               for t, acc_ref in enumerate(acc_refs):      # sub-tile t + 1 decodes while t's products run
                 chunk_products(acc_ref, slot, uslot, i, i if xr else slot, w * sub + t)
-                if overlap:
-                  # sub-tile t's products stay in flight while the next one (of this chunk or chunk i + 1)
-                  # decodes: wait only for the previous one's (one wgmma group per plane); after the first
-                  # sub-tile that was chunk i - 1's last, so its slot goes back
+                if overlap or t < sub - 1:
+                  # sub-tile t's products stay in flight while the next one (of this chunk, or with the overlap
+                  # of chunk i + 1) decodes: wait only for the previous one's (one wgmma group per plane), so at
+                  # most two sub-tiles' A registers are live; after the first sub-tile that was chunk i - 1's
+                  # last, so its slot goes back
                   plgpu.wgmma_wait(layout.NIBBLES // ppw + corr)
-                  if t == 0:
+                  if overlap and t == 0:
                     pl.when(i > 0)(lambda: release(g - 1, i - 1))
               if not overlap:
                 plgpu.wgmma_wait(0)

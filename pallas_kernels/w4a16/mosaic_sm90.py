@@ -151,9 +151,10 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # sub_tiles = R: each consumer warpgroup owns R 64-column sub-tiles of a unit (R accumulators; a unit spans
 # 128 R columns, gated: 64 R gate and the same up columns), so every x tile copied into the ring serves R times the
 # weight columns. Aimed at 64-row blocks (every dense linear at batch 33-64: x is 32 KiB a chunk against 16 KiB of
-# words, copied again for every column tile). A consumer decodes sub-tile r + 1 while sub-tile r's wgmmas run;
-# with the overlap (block_m <= 32) at most one sub-tile's wgmmas stay in flight, so the A registers held are
-# those of two sub-tiles as before.
+# words, copied again for every column tile). A consumer decodes sub-tile r + 1 while sub-tile r's wgmmas run and
+# keeps at most one sub-tile's wgmmas in flight, so the A registers held are those of two sub-tiles, as the overlap
+# (block_m <= 32) holds two chunks' today; without it nothing stays in flight across the chunk loop's back edge.
+# Both options are opt-in: built without a GPU lease, not measured (NOTES v15).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
@@ -655,7 +656,10 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             def _():
               plgpu.barrier_wait(consumed.at[slot])
 
-            new_x = lambda: pl.when(lax.rem(ordinal, xr) == 0)(lambda: x_copies(b, c, ordinal)) if xr else None
+            def new_x():                            # x_reuse: a super-unit's first unit brings the block's x
+              if xr:
+                pl.when(lax.rem(ordinal, xr) == 0)(lambda: x_copies(b, c, ordinal))
+
             if "compute_only" in ablations:     # the arrivals the copies would make, no bytes
               new_x()
               for _ in range(n_loaded):

@@ -496,6 +496,34 @@ def test_sub_tiles_moe_vs_float64_and_lowering(monkeypatch):
   assert taken[-2:] == [2, 2]
 
 
+def test_v3_shapes_lower_with_the_x_options(monkeypatch):
+  """At DeepSeek-V3's shapes (E 256, D 7168, I 2048, top-8; o_proj-sized dense) the kernels with x_reuse and
+  sub_tiles pass Mosaic's SMEM, layout and wgmma checks, with the ring depths and options the rules pick: x
+  resident for gate|up g128 at 3 stages, sub_tiles trading gate|up's unit_scales for its second sub-tile, and 2
+  sub-tiles at 64-row blocks in 2 stages (4 asked for: halved to fit)."""
+  e, d, i, k = 256, 7168, 2048, 8
+  abstract = lambda *a, **kw: jax.eval_shape(lambda: layout.random_weight(jax.random.key(0), *a, **kw))
+  w13, w2 = abstract((e,), d, i, 128, gate_up=True), abstract((e,), i, d, 128)
+  taken = []
+  real = ms._kernel_call
+  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: (taken.append(
+      (kw["num_stages"], kw["x_reuse"], kw["sub_tiles"], kw["unit_scales"])), real(**kw))[1])
+  t = 64
+  bm = api.default_block_m(t, k, e, "mosaic_sm90")
+  args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
+          jax.ShapeDtypeStruct((t, k), jnp.float32), w13, w2)
+  for cfg in (dict(x_reuse=4), dict(sub_tiles=2)):
+    text = lower_for_cuda(lambda x, ids, wts, a, b: ms.moe(x, routing.align(ids, wts, e, bm), a, b, busy_blocks=e,
+                                                           config=dict(cfg, num_ctas=132)), *args)
+    assert "wgmma" in text
+  assert taken == [(3, 4, 1, True), (4, 4, 1, True), (4, 1, 2, False), (4, 1, 2, True)]
+  taken.clear()
+  w = abstract((), 7168, 7168, 128)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(sub_tiles=4, num_ctas=132)),
+                        jax.ShapeDtypeStruct((64, 7168), jnp.bfloat16), w)
+  assert "wgmma" in text and taken == [(2, 1, 2, False)]
+
+
 def test_stream_k_plan():
   """Each CTA at most one chunk above the mean; every unit's chunks covered once by its segments' slots."""
   for units, n, ctas in [(144, 28, 132), (56, 72, 132), (6, 4, 4), (3, 5, 7), (1, 1, 3)]:

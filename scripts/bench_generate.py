@@ -451,11 +451,14 @@ def bench_v3_slice(args, info) -> dict:
             args_ = (tokens, positions, slots, block_table, seq_lens)
             closed = jax.jit(lambda w, c: decode_step(graphdef, w, c, *args_, backend=name,
                                                       interpret=args.interpret), donate_argnums=1)
-            runs = back_to_back_ms(lambda c: closed(weights, c), fresh(), args.iters, args.warmup, args.windows)
-            row.update(decode_step_back_to_back_ms=statistics.median(runs), decode_step_back_to_back_ms_runs=runs)
-            print(f"  backend {name:12s} steps back to back {row['decode_step_back_to_back_ms']:8.2f} ms per step "
-                  f"x{row['decode_step_back_to_back_ms'] / out['roofline_ms']:.2f} of the roofline (median of "
-                  f"{len(runs)} windows, {min(runs):.2f}-{max(runs):.2f})", flush=True)
+            def record_back_to_back(key, what, call):
+                """row[key] = the median of args.windows back-to-back windows (all kept in row[key + '_runs'])."""
+                runs = back_to_back_ms(call, fresh(), args.iters, args.warmup, args.windows)
+                row.update({key: statistics.median(runs), key + "_runs": runs})
+                print(f"  backend {name:12s} {what} {row[key]:8.2f} ms per step x{row[key] / out['roofline_ms']:.2f} "
+                      f"of the roofline (median of {len(runs)} windows, {min(runs):.2f}-{max(runs):.2f})", flush=True)
+
+            record_back_to_back("decode_step_back_to_back_ms", "steps back to back", lambda c: closed(weights, c))
             # the same step compiled as one CUDA graph, as the engine's fused decode loop is: the wall time above
             # includes the host launching every kernel of 4 layers (H200, d8350b0: dense MLP 0.91 ms wall vs 0.17
             # ms of kernels)
@@ -476,13 +479,8 @@ def bench_v3_slice(args, info) -> dict:
                 gclosed = jax.jit(lambda w, c: decode_step(graphdef, w, c, *args_, backend=name,
                                                            interpret=args.interpret),
                                   donate_argnums=1, compiler_options=graph_opts)
-                runs = back_to_back_ms(lambda c: gclosed(weights, c), fresh(), args.iters, args.warmup,
-                                       args.windows)
-                row.update(decode_step_graph_back_to_back_ms=statistics.median(runs),
-                           decode_step_graph_back_to_back_ms_runs=runs)
-                print(f"  backend {name:12s} CUDA graph back to back {row['decode_step_graph_back_to_back_ms']:8.2f}"
-                      f" ms per step x{row['decode_step_graph_back_to_back_ms'] / out['roofline_ms']:.2f} of the "
-                      f"roofline (median of {len(runs)} windows, {min(runs):.2f}-{max(runs):.2f})", flush=True)
+                record_back_to_back("decode_step_graph_back_to_back_ms", "CUDA graph back to back",
+                                    lambda c: gclosed(weights, c))
                 row.update(decode_step_graph_ms_median=1e3 * statistics.median(gtimes),
                            decode_step_graph_ms_min=1e3 * min(gtimes),
                            step_graph_over_roofline=1e3 * statistics.median(gtimes) / out["roofline_ms"])

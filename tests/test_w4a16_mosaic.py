@@ -338,14 +338,14 @@ def test_convert_in_producer_moe_and_lowering():
               config=dict(convert_in_producer=True, num_stages=2), interpret=True)
 
 
-def _record_kernel_args(monkeypatch, name):
-  """The argument `name` of every kernel built from here on (per-unit scales and stream-K are taken only where
-  they apply)."""
+def _record_kernel_args(monkeypatch, *names):
+  """The argument `name` of every kernel built from here on, or the tuple of several names' (per-unit scales,
+  stream-K and the x options are taken only where they apply)."""
   taken = []
   real = ms._kernel_call
 
   def spy(**kw):
-    taken.append(kw[name])
+    taken.append(kw[names[0]] if len(names) == 1 else tuple(kw[n] for n in names))
     return real(**kw)
   monkeypatch.setattr(ms, "_kernel_call", spy)
   return taken
@@ -504,10 +504,7 @@ def test_v3_shapes_lower_with_the_x_options(monkeypatch):
   e, d, i, k = 256, 7168, 2048, 8
   abstract = lambda *a, **kw: jax.eval_shape(lambda: layout.random_weight(jax.random.key(0), *a, **kw))
   w13, w2 = abstract((e,), d, i, 128, gate_up=True), abstract((e,), i, d, 128)
-  taken = []
-  real = ms._kernel_call
-  monkeypatch.setattr(ms, "_kernel_call", lambda **kw: (taken.append(
-      (kw["num_stages"], kw["x_reuse"], kw["sub_tiles"], kw["unit_scales"])), real(**kw))[1])
+  taken = _record_kernel_args(monkeypatch, "num_stages", "x_reuse", "sub_tiles", "unit_scales")
   t = 64
   bm = api.default_block_m(t, k, e, "mosaic_sm90")
   args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),

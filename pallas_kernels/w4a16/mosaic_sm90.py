@@ -951,10 +951,10 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   sub = int(cfg["sub_tiles"])
   fma = cfg["fold"] == "fma"
   convert = bool(cfg["convert_in_producer"])
+  min_stages = 3 if convert else 2                # the producer's conversion runs one chunk behind its copies
   # fewer sub-tiles where the gate half's do not pair up into whole tiles, or where the ring would be too shallow
-  # (the producer's conversion needs 3 stages)
   while sub > 1 and ((gated and (w.n_pad // 2) % (SUB_N * sub))
-                     or smem_bytes(block_m, w.group_size, 3 if convert else 2, convert, fma, 0, 0, sub) > SMEM_LIMIT):
+                     or smem_bytes(block_m, w.group_size, min_stages, convert, fma, 0, 0, sub) > SMEM_LIMIT):
     sub //= 2
   if gated:
     tiles = (w.n_pad // 2) // (SUB_N * sub)
@@ -998,16 +998,16 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   unit_scales = (bool(cfg["unit_scales"]) and not stream_k and n_chunks % cps == 0 and (convert or cps >= stages)
                  and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc, 0, sub) <= SMEM_LIMIT)
   x_reuse = int(cfg["x_reuse"])
-  if x_reuse > 1 and num_ctas and not stream_k and splits == 1 and tiles % x_reuse == 0 and n_chunks <= 32:
+  use_x = x_reuse > 1 and num_ctas and not stream_k and splits == 1 and tiles % x_reuse == 0 and n_chunks <= 32
+  if use_x:
     # the block's x resident beside the ring and unit_scales as chosen: the deepest ring that fits, if it is
     # at least x_reuse_min_stages deep (an explicit num_stages must fit as it is)
     ug = cps * gpc if unit_scales else 0
     x_stages = cfg["num_stages"] or default_stages(block_m, w.group_size, stages, convert, fma, ug, n_chunks, sub)
-    if (x_stages >= max(int(cfg["x_reuse_min_stages"]), 3 if convert else 2)
-        and smem_bytes(block_m, w.group_size, x_stages, convert, fma, ug, n_chunks, sub) <= SMEM_LIMIT):
-      stages = x_stages
-    else:
-      x_reuse = 1
+    use_x = (x_stages >= max(int(cfg["x_reuse_min_stages"]), min_stages)
+             and smem_bytes(block_m, w.group_size, x_stages, convert, fma, ug, n_chunks, sub) <= SMEM_LIMIT)
+  if use_x:
+    stages = x_stages
   else:
     x_reuse = 1
   extra = ()

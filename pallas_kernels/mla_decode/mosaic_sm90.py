@@ -39,7 +39,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
-from pallas_kernels.mla_decode import mosaic_sm90_rows
+from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
 from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
@@ -456,7 +456,9 @@ def _interpret_params(interpret):
   return plgpu.InterpretGPUParams() if interpret else False
 
 
-KERNELS = ("auto", "swapped", "rows")
+KERNELS = ("auto", "swapped", "rows", "seesaw")
+# the kernels with 64 query rows per CTA on wgmma M, by name
+ROWS_KERNELS = {"rows": mosaic_sm90_rows, "seesaw": mosaic_sm90_seesaw}
 
 
 def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
@@ -464,7 +466,8 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   or "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M). "auto" takes rows when Sq * H is a multiple
   of 64 (h64 / h128 decode: no padded rows), else swapped; for both caches (H200, b128 h128 L4096: bf16 428 vs 202
   TFLOP/s, fp8 281 vs 163). Forcing "rows" pads the rows to a multiple of 64 with zero queries (the padding is
-  computed and dropped)."""
+  computed and dropped). "seesaw" (mosaic_sm90_seesaw.py, bf16 cache; opt-in, not yet measured on a GPU) holds 64
+  rows per CTA as rows does and runs FlashMLA's staggered two-page schedule."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":
@@ -478,8 +481,9 @@ def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, 
   table `max_pages` wide and these lengths: what mla_decode computes when it is not given one. It depends only on
   seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata).
   kernel: as mla_decode's (the two kernels split the pages into different numbers of shares)."""
-  if choose_kernel(rows, fp8, kernel) == "rows":
-    num_parts = mosaic_sm90_rows.make_plan(rows, num_sms=_num_sms(), fp8=fp8).num_parts
+  which = choose_kernel(rows, fp8, kernel)
+  if which in ROWS_KERNELS:
+    num_parts = ROWS_KERNELS[which].make_plan(rows, num_sms=_num_sms(), fp8=fp8).num_parts
   else:
     num_parts = make_plan(rows, fp8).num_parts
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
@@ -528,15 +532,17 @@ def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, inter
 
 
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
-                     interpret, num_parts, num_stages, schedule, **rows_plan):
-  """mla_decode through the rows kernel (mosaic_sm90_rows.py): 64 query rows per CTA, bf16 or fp8 cache."""
+                     interpret, num_parts, num_stages, schedule, kernel="rows", **rows_plan):
+  """mla_decode through a kernel with 64 query rows per CTA: rows (mosaic_sm90_rows.py, bf16 or fp8 cache) or
+  seesaw (mosaic_sm90_seesaw.py, bf16)."""
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
-  plan = mosaic_sm90_rows.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
+  module = ROWS_KERNELS[kernel]
+  plan = module.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
                                     fp8=fp8, **rows_plan)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
-  call = mosaic_sm90_rows.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
+  call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
                                      softmax_scale=softmax_scale, num_pages=cache.num_pages,
                                      interpret=_interpret_params(interpret))
   # Q's two parts in rows (reshapes at h128), sliced first so that XLA takes each from its producer and the
@@ -564,7 +570,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
-  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" (choose_kernel; the rows kernel takes
+  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" | "seesaw" (choose_kernel; the rows kernel takes
   num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache). prefetch_tiles:
   the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while the previous
   page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
@@ -580,7 +586,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
-  if choose_kernel(sq * heads, fp8, kernel) == "rows":
+  which = choose_kernel(sq * heads, fp8, kernel)
+  if which == "seesaw":
+    if rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None:
+      raise ValueError("mosaic_sm90: the seesaw kernel takes num_parts and schedule only (rows_per_cta / split_p "
+                       "are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
+    return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
+                            interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
+                            kernel="seesaw")
+  if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
                        "holds 64 rows per CTA and rounds P to bf16 (pass kernel='swapped' to use them)")

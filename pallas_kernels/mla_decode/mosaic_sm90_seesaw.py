@@ -1,0 +1,421 @@
+"""mosaic_sm90's seesaw kernel (opt-in `kernel="seesaw"`; bf16 cache, Sq * H a multiple of 64): FlashMLA's schedule.
+
+The rows kernel (mosaic_sm90_rows.py) runs each page in lockstep: both compute warpgroups take half its tokens'
+scores, swap row maxima, run the softmax and multiply P by their halves of V, so the tensor cores idle through
+every exchange and softmax (an H200 measured ~4,870 clock cycles a page against ~2,750 of tensor work: NOTES.md).
+Here the two warpgroups take a PAIR of pages (K0 in ring slot 0, K1 in slot 1) and stagger, as FlashMLA's
+"seesaw" (its docs/20250422-new-kernel-deep-dive.md) does, so one's softmax runs under the other's MMAs:
+
+    [0] S0 = Q K0^T          m0 = max(m, rowmax S0)      P0 = exp2(S0 - m0)    O_L = O_L * 2^(m - m0) + P0 V0_L
+    [1] S1 = Q K1^T          m1 = max(m0, rowmax S1)     P1 = exp2(S1 - m1)    O_R = O_R * 2^(m - m1) + P1 V1_R
+    [0] O_L = (O_L + ...) * 2^(m0 - m1) + P1 V1_L        (P1 from SMEM, written by [1])
+    [1] O_R += (P0 * 2^(m0 - m1)) V0_R                    (P0 rescaled and written to SMEM by [0])
+                                                         m = m1
+
+Q [64 rows, 576] . K^T is one m64n64 wgmma stream over 576 dims per warpgroup and page (a third less SMEM traffic
+per FLOP than the rows kernel's two m64n32 streams); warpgroup 0 owns O's latent columns [0, 256) (O_L), warpgroup
+1 [256, 512) (O_R), 128 f32 registers a thread each. Each keeps its own row sum (L0 over the P0s, L1 over the P1s,
+both rescaled to the running max) and they add them once per segment.
+
+SMEM (227 KiB): Q's latent part 64 KiB + 2 pages x 72 KiB + two P buffers 16 KiB + 1 KiB of row maxima / sums =
+225 KiB; Q's rope [64, 64] is a register A operand (16 registers, loaded once a segment), as FlashMLA keeps it.
+The ring's two slots are the pair, so each slot is released in two parts as soon as its readers are done, and the
+producer refills them in the order they are freed: part A (latent columns [0, 256)) of slot 0 is read by warpgroup
+0 only (QK, then P0 V0_L); part B (latent [256, 512) + rope) of slot 1 by warpgroup 1 only (QK, P1 V1_R); part B of
+slot 0 by [0]'s QK and [1]'s P0 V0_R; part A of slot 1 by [1]'s QK and [0]'s P1 V1_L. An odd last page of a segment
+has no K1: warpgroup 1 skips its QK and P.V (m1 = m0) and slot 1 is not loaded.
+
+Masks and NaN safety as in the rows kernel: table entries past a sequence's pages are never read, scores past the
+length or the causal limit are masked to -inf by select, and the V rows of a partial last page past the length are
+zeroed by select (by the warpgroup that reads that half of V, after every QK on the page is done) before P.V.
+
+Interpret mode runs neither a register A operand nor an accumulator that is read and written in place: there each
+warpgroup passes its own P and its copy of Q's rope through SMEM (interpret-only buffers) and carries O as a value,
+adding each P.V from a fresh accumulator (same products). Synchronisation: every SMEM hand-off is ordered by an
+mbarrier or commit_smem (Mosaic's automatic barriers off); no reduction crosses warps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
+from pallas_kernels.mla_decode.sm90_shared import share_of_part
+
+PAGE = 64                     # tokens per page
+ROWS = 64                     # query rows per CTA (wgmma M)
+HALF = LATENT_DIM // 2        # latent columns of O per compute warpgroup; also a ring slot's part A / B split
+CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
+SMEM_LIMIT = 227 * 1024
+LOG2E = 1.4426950408889634
+NUM_WARPGROUPS = 3
+_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# barriers: loaded A/B x 2 slots, consumed A/B x 2 slots, qbar, the four hand-offs, lbar
+_NUM_BARRIERS = 14
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static launch configuration of the seesaw kernel for one call shape (bf16 cache, a 2-page ring)."""
+  rows: int            # Sq * H query rows per sequence
+  groups: int          # row groups G of 64: 64 * G >= rows (the last one zero-padded)
+  num_parts: int       # KV shares per row group (the split-KV width)
+  num_stages: int = 2  # the ring is the pair of pages
+  fp8: bool = False
+
+  @property
+  def n(self) -> int:
+    return ROWS
+
+  @property
+  def smem_bytes(self) -> int:
+    return smem_bytes()
+
+
+def smem_bytes() -> int:
+  """Dynamic SMEM of the GPU kernel as Mosaic counts it (each scratch buffer rounded up to 1 KiB, 8 B a barrier):
+  Q's latent part, two pages (latent + rope), two P buffers, one [4, 64] f32 buffer of row maxima and sums."""
+  q_lat = ROWS * LATENT_DIM * 2
+  ring = 2 * PAGE * (LATENT_DIM + ROPE_DIM) * 2
+  p = 2 * ROWS * PAGE * 2
+  stats = 4 * ROWS * 4
+  return q_lat + ring + p + stats + 8 * _NUM_BARRIERS
+
+
+def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
+              fp8: bool = False) -> Plan:
+  if fp8:
+    raise ValueError("mosaic_sm90 seesaw kernel: built for a bfloat16 cache (two f16 pages of an fp8 cache do not "
+                     "fit beside its ring); use kernel='rows' for fp8_e4m3")
+  if num_stages not in (None, 2):
+    raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
+                     f"num_stages={num_stages}")
+  if rows < 1:
+    raise ValueError(f"rows must be >= 1, got {rows}")
+  groups = -(-rows // ROWS)
+  if num_parts is None:
+    num_parts = max(1, num_sms // groups)
+  return Plan(rows=rows, groups=groups, num_parts=int(num_parts))
+
+
+def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
+               interpret):
+  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, block_table, lens,
+  cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch:
+  mosaic_sm90_rows.build_call's contract for a bf16 cache."""
+  g_count, parts = plan.groups, plan.num_parts
+  entries = parts + batch
+  scale_log2 = float(softmax_scale) * LOG2E
+  causal_rows = bool(causal) and sq > 1
+  dt = jnp.bfloat16
+  on_gpu = interpret is False or interpret is None
+
+  scratch = dict(
+      q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
+      ring_lat=plgpu.SMEM((2, 2, PAGE, HALF), dt, transforms=_SWZ16),            # [slot, part A/B, tok, col]
+      ring_rope=plgpu.SMEM((2, PAGE, ROPE_DIM), dt, transforms=_SWZ16),          # part B's rope
+      pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
+      stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
+      loaded_a=plgpu.Barrier(num_arrivals=1, num_barriers=2),                    # latent [0, 256) of slot s landed
+      loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),                    # latent [256, 512) + rope
+      # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
+      consumed_a0=plgpu.Barrier(num_arrivals=1),
+      consumed_a1=plgpu.Barrier(num_arrivals=2),
+      # part B free: slot 0 after [0]'s QK and [1]'s P0 V0_R; slot 1 after [1]'s P1 V1_R
+      consumed_b0=plgpu.Barrier(num_arrivals=2),
+      consumed_b1=plgpu.Barrier(num_arrivals=1),
+      qbar=plgpu.Barrier(num_arrivals=2),                                        # Q's latent halves landed
+      m0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote m0
+      m1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote m1
+      p0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote P0 (and its QK is done)
+      p1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote P1 (and its QK is done)
+      lbar=plgpu.Barrier(num_arrivals=2))                                        # row sums written (segment done)
+  if not on_gpu:
+    # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
+    scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16)
+    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), dt, transforms=_SWZ16)
+  names = list(scratch)
+
+  def body(q_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs):
+    r = dict(zip(names, scratch_refs))
+    q_smem, ring_lat, ring_rope, pbuf, stats = (r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "stats"))
+    loaded_a, loaded_b, qbar, lbar = r["loaded_a"], r["loaded_b"], r["qbar"], r["lbar"]
+    consumed_a0, consumed_a1, consumed_b0, consumed_b1 = (
+        r[k] for k in ("consumed_a0", "consumed_a1", "consumed_b0", "consumed_b1"))
+    consumed = {("a", 0): consumed_a0, ("a", 1): consumed_a1, ("b", 0): consumed_b0, ("b", 1): consumed_b1}
+    m0bar, m1bar, p0bar, p1bar = r["m0bar"], r["m1bar"], r["p0bar"], r["p1bar"]
+    own_p, qr_smem = r.get("own_p"), r.get("qr_smem")
+    wg = lax.axis_index("wg")
+    part = lax.axis_index("part")
+    grp = lax.axis_index("g")
+    b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
+
+    # -------- warpgroup 2: the producer. Pair i of a segment: page lo + 2i -> slot 0, lo + 2i + 1 -> slot 1. ----
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(b, j, slot, what, used):
+        @pl.when(used > 0)
+        def _():
+          plgpu.barrier_wait(consumed[what, slot])     # its readers of the previous pair are done
+
+        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
+        if what == "a":
+          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(0, HALF)], ring_lat.at[slot, 0], loaded_a.at[slot])
+        else:
+          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF, HALF)], ring_lat.at[slot, 1], loaded_b.at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded_b.at[slot])
+
+      def seg(b, counts):
+        lo, hi = seq_pages(b)
+
+        def pair(i, counts):
+          n0, n1 = counts                  # pairs that used slot 0 / slot 1 so far
+          j0 = lo + 2 * i
+          has1 = j0 + 1 < hi
+          # in the order the previous pair frees them: A0 ([0] mid-pair), B1 ([1] mid-pair), A1, B0 (pair ends)
+          load(b, j0, 0, "a", n0)
+          pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1))
+          pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1))
+          load(b, j0, 0, "b", n0)
+          return n0 + 1, n1 + has1.astype(jnp.int32)
+
+        return lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, counts)
+
+      n0, n1 = lax.fori_loop(b_first, b_last + 1, seg, (jnp.int32(0), jnp.int32(0)))
+      # observe the last releases too, so no barrier phase is left pending at exit
+      for slot, n in ((0, n0), (1, n1)):
+        @pl.when(n > 0)
+        def _():
+          for what in ("a", "b"):
+            plgpu.barrier_wait(consumed[what, slot])
+
+    # -------- warpgroups 0, 1 --------
+    def compute(w: int):
+      plgpu.set_max_registers(232, action="increase")
+      wgmma_layout = plgpu.Layout.WGMMA
+      row_layout = wgmma_layout.reduce(1)
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE), 0, layout=wgmma_layout)
+      tok_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE), 1, layout=wgmma_layout)
+      q_index = lax.div(grp * ROWS + row_iota, jnp.int32(heads))   # query token s of each row (r = s*H + h)
+      rows_of = lambda v: lax.broadcast_in_dim(v, (ROWS, HALF), [0])
+      safe = lambda m: jnp.where(m == -jnp.inf, 0.0, m)             # exp2(x - safe(m)): no -inf - -inf
+
+      def zero_tail(slot, half, n_valid, z):
+        # V rows past the length of a partial last page -> 0 in one half of a slot (they may hold NaN)
+        @pl.when(n_valid < PAGE)
+        def _():
+          for c in range(HALF // CHUNK):
+            x = ring_lat[slot + z, half, :, pl.ds(c * CHUNK, CHUNK)]
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=wgmma_layout)
+            ring_lat[slot + z, half, :, pl.ds(c * CHUNK, CHUNK)] = jnp.where(rows < n_valid, x, jnp.zeros_like(x))
+          plgpu.commit_smem()               # the zeros visible to the P.V wgmma
+
+      def scores(slot, qr, z, j, limit):
+        """S [64 rows, 64 tok] = Q . K^T of the page in `slot` (log2 domain, masked), each part waited for as it
+        comes: warpgroup 0 (slot 0) reads part A first, warpgroup 1 (slot 1) part B first (the producer's order)."""
+        def qk(s_ref):
+          def part_a():
+            plgpu.barrier_wait(loaded_a.at[slot])
+            for cc in range(HALF // CHUNK):
+              plgpu.wgmma(s_ref, q_smem.at[0 + z, :, pl.ds(cc * CHUNK, CHUNK)],
+                          ring_lat.at[slot + z, 0, :, pl.ds(cc * CHUNK, CHUNK)].T)
+
+          def part_b():
+            plgpu.barrier_wait(loaded_b.at[slot])
+            for cc in range(HALF // CHUNK):
+              plgpu.wgmma(s_ref, q_smem.at[1 + z, :, pl.ds(cc * CHUNK, CHUNK)],
+                          ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)
+            plgpu.wgmma(s_ref, qr if on_gpu else qr_smem.at[w + z], ring_rope.at[slot + z].T)
+
+          for f in ((part_a, part_b) if slot == 0 else (part_b, part_a)):
+            f()
+          plgpu.wgmma_wait(0)
+          return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE), jnp.float32)) * scale_log2
+        return jnp.where(j * PAGE + tok_iota < limit, s, -jnp.inf)
+
+      def pv(acc, p, v_ref, own: bool):
+        """O (this warpgroup's half) += P [64, 64] . V [64 tok, 256]. own: P is this warpgroup's registers (the
+        GPU's register A operand; interpret mode: own_p[w] in SMEM), else the other's pbuf. On the GPU acc is the
+        segment's accumulator ref and nothing is returned; in interpret mode acc is a value and the sum returned."""
+        if on_gpu:
+          plgpu.wgmma(acc, p, v_ref)
+          plgpu.wgmma_wait(0)
+          return acc
+        if own:
+          own_p[w] = p
+          plgpu.commit_smem()
+          p = own_p.at[w]
+
+        def one(d_ref):
+          plgpu.wgmma(d_ref, p, v_ref)
+          plgpu.wgmma_wait(0)
+          return d_ref[...]
+
+        return acc + pl.run_scoped(one, plgpu.ACC((ROWS, HALF), jnp.float32))
+
+      def rescale(acc, alpha):
+        if on_gpu:
+          acc[...] = acc[...] * rows_of(alpha)
+          return acc
+        return acc * rows_of(alpha)
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+        length = lens_ref[b]
+
+        @pl.when(hi > lo)
+        def _segment():
+          # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
+          # segment, or nothing came before)
+          bg = b * g_count + grp
+          if w == 0:
+            plgpu.commit_smem()
+            for h in range(2):
+              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
+          # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
+          qr = plgpu.load(qr_ref.at[bg], layout=wgmma_layout, optimized=False)
+          if not on_gpu:
+            qr_smem[w] = qr                 # this warpgroup's previous QKs are done with its copy
+            plgpu.commit_smem()
+          plgpu.barrier_wait(qbar)
+          limit = (length - sq + 1 + q_index) if causal_rows else length
+
+          def pair_step(acc_ref):
+            """One pair of pages for this warpgroup; O in acc_ref (GPU) or in the carry (interpret mode)."""
+            def pair(i, carry):
+              m, l_mine = carry[:2]
+              acc = acc_ref if on_gpu else carry[2]
+              c = ctr + i                    # pairs of this warpgroup so far (>= 0)
+              # 0 (c >= 0), but not a constant to the compiler: the operand addresses depend on the pair, so their
+              # wgmma descriptors are rebuilt in the loop instead of kept (and spilled) in registers across it
+              z = lax.shift_right_logical(c, 31)
+              j0 = lo + 2 * i
+              has1 = j0 + 1 < hi
+              n0, n1 = length - j0 * PAGE, length - (j0 + 1) * PAGE    # valid tokens of each page
+              if w == 0:
+                s0 = scores(0, qr, z, j0, limit)
+                plgpu.barrier_arrive(consumed_b0)                      # [0]'s reads of slot 0's part B are done
+                m0 = jnp.maximum(m, s0.max(axis=1))
+                stats[0] = m0
+                plgpu.barrier_arrive(m0bar)
+                m0s = safe(m0)
+                alpha0 = jnp.exp2(m - m0s)
+                p0 = jnp.exp2(s0 - lax.broadcast_in_dim(m0s, s0.shape, [0]))
+                l_mine = l_mine * alpha0 + p0.sum(axis=1)
+                zero_tail(0, 0, n0, z)
+                acc = pv(rescale(acc, alpha0), p0.astype(dt), ring_lat.at[0 + z, 0], own=True)
+                plgpu.barrier_arrive(consumed_a0)                      # slot 0's part A is free
+                plgpu.barrier_wait(m1bar)
+                m1 = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
+                alpha1 = jnp.exp2(m0 - safe(m1))
+                pbuf[0 + z] = (p0 * lax.broadcast_in_dim(alpha1, s0.shape, [0])).astype(dt)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p0bar)
+                l_mine = l_mine * alpha1
+                acc = rescale(acc, alpha1)
+                plgpu.barrier_wait(p1bar)
+
+                def p1_v1l(acc):
+                  plgpu.barrier_wait(loaded_a.at[1])
+                  zero_tail(1, 0, n1, z)    # after [1]'s QK (p1bar)
+                  acc = pv(acc, pbuf.at[1 + z], ring_lat.at[1 + z, 0], own=False)
+                  plgpu.barrier_arrive(consumed_a1)
+                  return acc
+              else:
+                def qk1():
+                  s1 = scores(1, qr, z, j0 + 1, limit)
+                  plgpu.barrier_arrive(consumed_a1)                    # [1]'s reads of slot 1's part A are done
+                  return s1
+
+                s1 = lax.cond(has1, qk1, lambda: plgpu.layout_cast(
+                    jnp.full((ROWS, PAGE), -jnp.inf, jnp.float32), wgmma_layout))
+                plgpu.barrier_wait(m0bar)
+                m0 = plgpu.load(stats.at[0], layout=row_layout, optimized=False)
+                m1 = jnp.maximum(m0, s1.max(axis=1))
+                stats[1] = m1
+                plgpu.barrier_arrive(m1bar)
+                m1s = safe(m1)
+                alpha = jnp.exp2(m - safe(m0)) * jnp.exp2(m0 - m1s)
+                p1 = jnp.exp2(s1 - lax.broadcast_in_dim(m1s, s1.shape, [0]))   # all 0 without a K1
+                l_mine = l_mine * alpha + p1.sum(axis=1)
+                p1 = p1.astype(dt)
+                pbuf[1 + z] = p1
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p1bar)
+                acc = rescale(acc, alpha)
+
+                def p1_v1r(acc):
+                  zero_tail(1, 1, n1, z)
+                  acc = pv(acc, p1, ring_lat.at[1 + z, 1], own=True)
+                  plgpu.barrier_arrive(consumed_b1)
+                  return acc
+
+              p1_v = p1_v1l if w == 0 else p1_v1r                      # only where the pair has a K1
+              if on_gpu:
+                @pl.when(has1)
+                def _():
+                  p1_v(acc)
+              else:
+                acc = lax.cond(has1, p1_v, lambda a: a, acc)
+              if w == 1:
+                plgpu.barrier_wait(p0bar)
+                plgpu.barrier_wait(loaded_b.at[0])
+                zero_tail(0, 1, n0, z)      # after [0]'s QK (p0bar)
+                acc = pv(acc, pbuf.at[0 + z], ring_lat.at[0 + z, 1], own=False)
+                plgpu.barrier_arrive(consumed_b0)
+              return (m1, l_mine) if on_gpu else (m1, l_mine, acc)
+
+            return pair
+
+          def finish(acc, m, l_mine):
+            # row sums of both warpgroups (both rescaled to the same running max)
+            stats[2 + w] = l_mine
+            plgpu.barrier_arrive(lbar)
+            plgpu.barrier_wait(lbar)
+            l_sum = l_mine + plgpu.load(stats.at[3 - w], layout=row_layout, optimized=False)
+            seen = l_sum > 0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
+            eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
+            o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * rows_of(inv)
+            if w == 0:
+              lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
+          n_pairs = (hi - lo + 1) // 2
+          m_init = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
+          l_init = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+          if on_gpu:
+            def run(acc_ref):               # O's half, zero at the segment start
+              m, l_mine = lax.fori_loop(0, n_pairs, pair_step(acc_ref), (m_init, l_init))
+              finish(acc_ref[...], m, l_mine)
+
+            pl.run_scoped(run, plgpu.ACC((ROWS, HALF), jnp.float32))
+          else:
+            acc0 = plgpu.layout_cast(jnp.zeros((ROWS, HALF), jnp.float32), wgmma_layout)
+            m, l_mine, acc = lax.fori_loop(0, n_pairs, pair_step(None), (m_init, l_init, acc0))
+            finish(acc, m, l_mine)
+
+        return ctr + (jnp.maximum(hi - lo, 0) + 1) // 2
+
+      lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+
+    for w in range(2):
+      pl.when(wg == w)(functools.partial(compute, w))
+
+  out_type = (jax.ShapeDtypeStruct((entries * g_count, ROWS, LATENT_DIM), jnp.float32),
+              jax.ShapeDtypeStruct((entries * g_count, ROWS), jnp.float32))
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
+      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                           reduction_scratch_bytes=0),
+      interpret=interpret)

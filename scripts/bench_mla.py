@@ -206,10 +206,10 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="also time triton kernel configurations")
   ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
   ap.add_argument("--batches", default=None, help="comma list overriding the grid's batch sizes (split long runs)")
-  ap.add_argument("--mosaic-kernel", default="auto", choices=["auto", "swapped", "rows", "both"],
+  ap.add_argument("--mosaic-kernel", default="auto", choices=["auto", "swapped", "rows", "seesaw", "both"],
                   help="mosaic_sm90's kernel in the grid: auto (the op's choice, through the public op), or forced "
                        "(backend module + the op's output contract; 'both' times swapped and rows side by side, "
-                       "bf16 and fp8 caches)")
+                       "bf16 and fp8 caches; seesaw runs bf16 caches only)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--commit", default=None, help="git commit of the code (default: git rev-parse HEAD)")
   args = ap.parse_args(argv)

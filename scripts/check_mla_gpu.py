@@ -87,6 +87,13 @@ def correctness_cases(kind: str):
        dict(prefetch_tiles=4)),
       ("fp8 h64 sq2 rows prefetch 1 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
        dict(prefetch_tiles=1)),
+      # the opt-in seesaw kernel (bf16): P0 and Q's rope as register A operands and O in a whole-segment
+      # accumulator run only on a GPU; odd and even page counts per segment, many sequences per share
+      ("bf16 h128 ragged+0 seesaw", "bfloat16", 128, 1, [0, 64, 65, 129] + ragged(5, 1000), "seesaw"),
+      ("bf16 h128 b48 many seqs/part seesaw", "bfloat16", 128, 1, ragged(48, 1500), "seesaw"),
+      ("bf16 h64 ragged+0 seesaw", "bfloat16", 64, 1, [0, 1] + ragged(6, 900), "seesaw"),
+      ("bf16 h64 sq2 seesaw causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "seesaw"),
+      ("bf16 h128 sq2 seesaw causal", "bfloat16", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw"),
   ]
 
 
@@ -123,7 +130,7 @@ def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto", gr
     t0 = time.perf_counter()
     out, lse = jax.block_until_ready(call("mosaic_sm90"))
     t_first = time.perf_counter() - t0
-    if which == "rows":                          # float64 reference; bf16 P: sum p|v|/l for the widened bound
+    if which in mosaic_sm90.ROWS_KERNELS:        # float64 reference; bf16 P: sum p|v|/l for the widened bound
       lat, rope = cache.dequantize()
       ref_out, ref_lse, ref_abs = reference.mla_decode_numpy(
           np.asarray(q, np.float64), np.asarray(lat), np.asarray(rope), np.asarray(table), np.asarray(lens_a),
@@ -179,6 +186,12 @@ def timing_variants():
       ("bfloat16 h64 rows", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
       ("bfloat16 h64 swapped", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="swapped")),
       ("bfloat16 h128 sq2 rows", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="rows")),
+      # FlashMLA's staggered two-page schedule (opt-in kernel="seesaw") against the rows kernel
+      ("bfloat16 h128 seesaw", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
+      ("bfloat16 h128 seesaw ragged[1..2L]", "bfloat16", 128, 1, 128, 4096, True, "mosaic_sm90",
+       dict(kernel="seesaw")),
+      ("bfloat16 h128 sq2 seesaw", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
+      ("bfloat16 h64 seesaw", "bfloat16", 64, 1, 128, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
       # the rows kernel's loop-variant operand addresses (rebase_per_page; default on for fp8) against their absence
       ("fp8_e4m3 h128 rows no rebase", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", rebase_per_page=False)),

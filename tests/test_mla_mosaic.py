@@ -447,12 +447,11 @@ def test_rows_kernel_fp8_schedule_matches_its_shares():
                   schedule=swapped_sched)
 
 
-def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_pages=8):
-  """Lowers the rows kernel for CUDA on this (CPU) machine: Mosaic GPU's own checks run here (layout inference,
-  wgmma operand shapes and dtypes, swizzles, the SMEM limit of an sm90 block)."""
-  from pallas_kernels.mla_decode import mosaic_sm90_rows as mr
+def _lower_rows_for_sm90(plan, *, heads, sq, causal, batch=4, num_pages=64, max_pages=8, kernel="rows"):
+  """Lowers a 64-rows-per-CTA kernel (rows or seesaw) for CUDA on this (CPU) machine: Mosaic GPU's own checks run
+  here (layout inference, wgmma operand shapes and dtypes, swizzles, the SMEM limit of an sm90 block)."""
   s = jax.ShapeDtypeStruct
-  call = mr.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=SCALE,
+  call = ms.ROWS_KERNELS[kernel].build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=SCALE,
                        num_pages=num_pages, interpret=False)
   qrows = batch * plan.groups
   q_args = (s((qrows, 64, 512), jnp.bfloat16), s((qrows, 64, 64), jnp.bfloat16))
@@ -633,3 +632,63 @@ def test_swapped_kernel_lowers_for_sm90(fp8, heads):
                                 s((batch + 1,), jnp.int32), s((4, parts_padded), jnp.int32))
   text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "wgmma" in text
+
+
+# ---- the seesaw kernel (mosaic_sm90_seesaw.py, opt-in kernel="seesaw", bf16 cache): FlashMLA's staggered pair ----
+@pytest.mark.parametrize("heads,sq,lens,causal,parts", [
+    (64, 1, [70, 0, 5], False, 3),                 # zero length, partial pages, an odd last page
+    (128, 1, [130, 1, 64, 200], False, 2),         # two row groups, odd and even page counts per share
+    (64, 1, [70, 0, 5, 64, 129, 1, 190], False, 1),  # one share walks 7 sequences: slot use across segments
+    (128, 2, [1, 130, 0, 64], True, 3),            # Sq 2 causal: 4 row groups (a row with no key at length 1)
+    (64, 2, [3, 200, 127], True, 4),               # Sq 2 causal, one query token per row group
+])
+def test_seesaw_kernel_interpret(heads, sq, lens, causal, parts):
+  """kernel="seesaw" on NaN-poisoned caches against the float64 reference, with §3's bf16-P bound."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 5, lens=lens, sq=sq, heads=heads,
+                                           dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="seesaw")
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+  assert out.dtype == jnp.bfloat16 and out.shape == (len(lens), sq, heads, 512)
+  assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
+
+
+def test_seesaw_kernel_interpret_no_races():
+  """Race detector on: 2 shares, one with odd and even segments (the ring's two slots refilled part by part)."""
+  q, cache, table, lens = random_problem(9, lens=[330, 2, 129], sq=1, heads=64, dtype="bfloat16")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="seesaw",
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens, False)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  assert res["ok"], res
+
+
+@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
+def test_seesaw_kernel_lowers_for_sm90(heads, sq, causal):
+  """The GPU code path (P0, P1 and Q's rope as register A operands, O in a whole-segment accumulator) lowers for
+  sm90, and smem_bytes equals Mosaic's SMEM count, under the 227 KiB of a block."""
+  from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
+  plan = mss.make_plan(sq * heads, num_sms=8)
+  kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
+  assert "mosaic_gpu" in _lower_rows_for_sm90(plan, **kw)
+  assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
+
+
+def test_seesaw_kernel_rejects_what_it_cannot_run():
+  q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=64, dtype="fp8_e4m3")
+  with pytest.raises(ValueError, match="bfloat16 cache"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw")
+  q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=64, dtype="bfloat16")
+  with pytest.raises(ValueError, match="2 slots"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw",
+                  num_stages=1)
+  with pytest.raises(ValueError, match="seesaw kernel takes"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw",
+                  prefetch_tiles=2)
+  # its schedule is the rows kernel's (same row groups and shares)
+  sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
+           for k in ("rows", "seesaw")]
+  assert all(np.array_equal(a, b) for a, b in zip(*sched))

@@ -55,11 +55,13 @@ def test_rows_kernel_rebase_vs_float64(rebase, dtype, heads, sq, causal):
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 1, False), (64, 2, True), (128, 2, True)])
-def test_seesaw_kernel_vs_float64(heads, sq, causal):
-  """The opt-in seesaw kernel (bf16 cache): register A operands and the whole-segment accumulator run only here."""
+def test_seesaw_kernel_vs_float64(dtype, heads, sq, causal):
+  """The opt-in seesaw kernel: register A operands, the whole-segment accumulator and the register split (fp8: the
+  producer's conversion at 72 registers) run only here."""
   from pallas_kernels.mla_decode import mosaic_sm90
-  q, cache, table, lens = random_problem(heads + sq + 11, lens=LENS, sq=sq, heads=heads, dtype="bfloat16")
+  q, cache, table, lens = random_problem(heads + sq + 11, lens=LENS, sq=sq, heads=heads, dtype=dtype)
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw"), c, t, n))(
           q, cache, table, lens)

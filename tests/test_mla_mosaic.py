@@ -635,59 +635,67 @@ def test_swapped_kernel_lowers_for_sm90(fp8, heads):
 
 
 # ---- the seesaw kernel (mosaic_sm90_seesaw.py, opt-in kernel="seesaw", bf16 cache): FlashMLA's staggered pair ----
-@pytest.mark.parametrize("heads,sq,lens,causal,parts", [
-    (64, 1, [70, 0, 5], False, 3),                 # zero length, partial pages, an odd last page
-    (128, 1, [130, 1, 64, 200], False, 2),         # two row groups, odd and even page counts per share
-    (64, 1, [70, 0, 5, 64, 129, 1, 190], False, 1),  # one share walks 7 sequences: slot use across segments
-    (128, 2, [1, 130, 0, 64], True, 3),            # Sq 2 causal: 4 row groups (a row with no key at length 1)
-    (64, 2, [3, 200, 127], True, 4),               # Sq 2 causal, one query token per row group
+@pytest.mark.parametrize("dtype,heads,sq,lens,causal,parts", [
+    ("bfloat16", 64, 1, [70, 0, 5], False, 3),             # zero length, partial pages, an odd last page
+    ("bfloat16", 128, 1, [130, 1, 64, 200], False, 2),     # two row groups, odd and even page counts per share
+    ("bfloat16", 64, 1, [70, 0, 5, 64, 129, 1, 190], False, 1),   # one share walks 7 sequences
+    ("bfloat16", 128, 2, [1, 130, 0, 64], True, 3),        # Sq 2 causal: 4 row groups (a row with no key)
+    ("bfloat16", 64, 2, [3, 200, 127], True, 4),           # Sq 2 causal, one query token per row group
+    ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128], False, 3),    # partial pages of 6, 5, 37 tokens (masked conversion)
+    ("fp8_e4m3", 128, 1, [130, 1, 64, 200], False, 2),
+    ("fp8_e4m3", 64, 1, [70, 0, 5, 64, 129, 1, 190], False, 1),
+    ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], True, 3),
 ])
-def test_seesaw_kernel_interpret(heads, sq, lens, causal, parts):
-  """kernel="seesaw" on NaN-poisoned caches against the float64 reference, with §3's bf16-P bound."""
-  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 5, lens=lens, sq=sq, heads=heads,
-                                           dtype="bfloat16")
+def test_seesaw_kernel_interpret(dtype, heads, sq, lens, causal, parts):
+  """kernel="seesaw" on NaN-poisoned caches (unused slots, pages and fp8 scales) against the float64 reference on
+  the dequantized cache: §3's bf16-P bound for a bf16 cache, the plain bound for fp8 (f16 P and V)."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + sq + 5, lens=lens, sq=sq, heads=heads, dtype=dtype)
   out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="seesaw")
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
-  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
   assert res["ok"], res
   assert out.dtype == jnp.bfloat16 and out.shape == (len(lens), sq, heads, 512)
   assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
 
 
-def test_seesaw_kernel_interpret_no_races():
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_seesaw_kernel_interpret_no_races(dtype):
   """Race detector on: 2 shares, one with odd and even segments (the ring's two slots refilled part by part)."""
-  q, cache, table, lens = random_problem(9, lens=[330, 2, 129], sq=1, heads=64, dtype="bfloat16")
+  q, cache, table, lens = random_problem(9, lens=[330, 2, 129], sq=1, heads=64, dtype=dtype)
   out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="seesaw",
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens, False)
-  res = compare(out, lse, ref_out, ref_lse, ref_abs=ref_abs)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
-def test_seesaw_kernel_lowers_for_sm90(heads, sq, causal):
-  """The GPU code path (P0, P1 and Q's rope as register A operands, O in a whole-segment accumulator) lowers for
-  sm90, and smem_bytes equals Mosaic's SMEM count, under the 227 KiB of a block."""
+def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
+  """The GPU code path (P0, P1 and Q's rope as register A operands, O in a whole-segment accumulator; fp8: the
+  producer's GMEM loads and conversion) lowers for sm90, and smem_bytes equals Mosaic's SMEM count, under the
+  227 KiB of a block."""
   from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
-  plan = mss.make_plan(sq * heads, num_sms=8)
+  plan = mss.make_plan(sq * heads, num_sms=8, fp8=fp8)
   kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, **kw)
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
 
 
 def test_seesaw_kernel_rejects_what_it_cannot_run():
-  q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=64, dtype="fp8_e4m3")
-  with pytest.raises(ValueError, match="bfloat16 cache"):
-    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw")
   q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=64, dtype="bfloat16")
+  call = lambda **kw: ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True,
+                                    **kw)
   with pytest.raises(ValueError, match="2 slots"):
-    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw",
-                  num_stages=1)
+    call(kernel="seesaw", num_stages=1)
   with pytest.raises(ValueError, match="seesaw kernel takes"):
-    ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True, kernel="seesaw",
-                  prefetch_tiles=2)
+    call(kernel="seesaw", prefetch_tiles=2)
+  with pytest.raises(ValueError, match="producer \+ 2 x compute <= 504"):
+    call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
+  with pytest.raises(ValueError, match="registers applies to the seesaw kernel"):
+    call(kernel="rows", registers=dict(producer_registers=72))
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
            for k in ("rows", "seesaw")]

@@ -466,8 +466,8 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   or "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M). "auto" takes rows when Sq * H is a multiple
   of 64 (h64 / h128 decode: no padded rows), else swapped; for both caches (H200, b128 h128 L4096: bf16 428 vs 202
   TFLOP/s, fp8 281 vs 163). Forcing "rows" pads the rows to a multiple of 64 with zero queries (the padding is
-  computed and dropped). "seesaw" (mosaic_sm90_seesaw.py, bf16 cache; opt-in, not yet measured on a GPU) holds 64
-  rows per CTA as rows does and runs FlashMLA's staggered two-page schedule."""
+  computed and dropped). "seesaw" (mosaic_sm90_seesaw.py; opt-in, not yet measured on a GPU) holds 64 rows per CTA
+  as rows does and runs FlashMLA's staggered two-page schedule (an fp8 cache: dequantized by the producer)."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":
@@ -564,8 +564,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                softmax_scale: float, causal: bool, interpret: bool = False, num_parts: int | None = None,
                num_stages: int | None = None, rows_per_cta: int | None = None,
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
-               prefetch_tiles: int | None = None,
-               rebase_per_page: bool | None = None) -> tuple[jax.Array, jax.Array]:
+               prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
+               registers: dict | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -574,7 +574,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache). prefetch_tiles:
   the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while the previous
   page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
-  mosaic_sm90_rows.Plan).
+  mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
+  "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -589,11 +590,13 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   which = choose_kernel(sq * heads, fp8, kernel)
   if which == "seesaw":
     if rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None:
-      raise ValueError("mosaic_sm90: the seesaw kernel takes num_parts and schedule only (rows_per_cta / split_p "
-                       "are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
+      raise ValueError("mosaic_sm90: the seesaw kernel takes num_parts, schedule and registers only (rows_per_cta "
+                       "/ split_p are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            kernel="seesaw")
+                            kernel="seesaw", **(registers or {}))
+  if registers is not None:
+    raise ValueError("mosaic_sm90: registers applies to the seesaw kernel (kernel='seesaw')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "

@@ -1,4 +1,4 @@
-"""mosaic_sm90's seesaw kernel (opt-in `kernel="seesaw"`; bf16 cache, Sq * H a multiple of 64): FlashMLA's schedule.
+"""mosaic_sm90's seesaw kernel (opt-in `kernel="seesaw"`; Sq * H a multiple of 64, both caches): FlashMLA's schedule.
 
 The rows kernel (mosaic_sm90_rows.py) runs each page in lockstep: both compute warpgroups take half its tokens'
 scores, swap row maxima, run the softmax and multiply P by their halves of V, so the tensor cores idle through
@@ -25,9 +25,17 @@ producer refills them in the order they are freed: part A (latent columns [0, 25
 slot 0 by [0]'s QK and [1]'s P0 V0_R; part A of slot 1 by [1]'s QK and [0]'s P1 V1_L. An odd last page of a segment
 has no K1: warpgroup 1 skips its QK and P.V (m1 = m0) and slot 1 is not loaded.
 
+fp8 cache: the ring holds the pages in f16 (the same SMEM as bf16: no fp8 slot at all). The producer warpgroup
+loads each part's e4m3 tiles straight from GMEM into registers (before waiting for the part's release, so their
+latency runs under the wait), converts them to f16 x the tile's power-of-two scale (exact) and stores them into the
+slot; the rope still comes by TMA. So the dequant runs beside the compute warpgroups' MMAs instead of in lockstep
+before them (the rows kernel's fp8 bound, NOTES.md), and it has registers for it: 72 a thread against 40 (the
+compute warpgroups get 216 instead of 232; `REGISTERS`). Q's latent part and P are f16, as in the rows kernel.
+
 Masks and NaN safety as in the rows kernel: table entries past a sequence's pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the V rows of a partial last page past the length are
-zeroed by select (by the warpgroup that reads that half of V, after every QK on the page is done) before P.V.
+zeroed by select before P.V (bf16: by the warpgroup that reads that half of V, after every QK on the page is done;
+fp8: by the producer's conversion).
 
 Interpret mode runs neither a register A operand nor an accumulator that is read and written in place: there each
 warpgroup passes its own P and its copy of Q's rope through SMEM (interpret-only buffers) and carries O as a value,
@@ -46,12 +54,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import share_of_part
+from pallas_kernels.mla_decode.sm90_shared import dequant_layout, scale_layout, share_of_part
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
 HALF = LATENT_DIM // 2        # latent columns of O per compute warpgroup; also a ring slot's part A / B split
 CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
+TOK = PAGE // 2               # tokens of an fp8 conversion unit
+FP8_TILE = 128                # latent columns per fp8 scale
 SMEM_LIMIT = 227 * 1024
 LOG2E = 1.4426950408889634
 NUM_WARPGROUPS = 3
@@ -60,14 +70,21 @@ _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _NUM_BARRIERS = 14
 
 
+# registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
+# sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers.
+REGISTERS = {False: (40, 232), True: (72, 216)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Static launch configuration of the seesaw kernel for one call shape (bf16 cache, a 2-page ring)."""
+  """Static launch configuration of the seesaw kernel for one call shape (a 2-page ring)."""
   rows: int            # Sq * H query rows per sequence
   groups: int          # row groups G of 64: 64 * G >= rows (the last one zero-padded)
   num_parts: int       # KV shares per row group (the split-KV width)
+  fp8: bool = False    # fp8_e4m3 cache: the producer dequantizes each page from GMEM into the (f16) ring
+  producer_registers: int = 40
+  compute_registers: int = 232
   num_stages: int = 2  # the ring is the pair of pages
-  fp8: bool = False
 
   @property
   def n(self) -> int:
@@ -80,7 +97,8 @@ class Plan:
 
 def smem_bytes() -> int:
   """Dynamic SMEM of the GPU kernel as Mosaic counts it (each scratch buffer rounded up to 1 KiB, 8 B a barrier):
-  Q's latent part, two pages (latent + rope), two P buffers, one [4, 64] f32 buffer of row maxima and sums."""
+  Q's latent part, two pages (latent + rope), two P buffers, one [4, 64] f32 buffer of row maxima and sums. The
+  same for both caches (an fp8 cache's pages are held in f16: no fp8 slot)."""
   q_lat = ROWS * LATENT_DIM * 2
   ring = 2 * PAGE * (LATENT_DIM + ROPE_DIM) * 2
   p = 2 * ROWS * PAGE * 2
@@ -89,48 +107,55 @@ def smem_bytes() -> int:
 
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
-              fp8: bool = False) -> Plan:
-  if fp8:
-    raise ValueError("mosaic_sm90 seesaw kernel: built for a bfloat16 cache (two f16 pages of an fp8 cache do not "
-                     "fit beside its ring); use kernel='rows' for fp8_e4m3")
+              fp8: bool = False, producer_registers: int | None = None,
+              compute_registers: int | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
+  producer, compute = REGISTERS[bool(fp8)]
+  producer = int(producer_registers or producer)
+  compute = int(compute_registers or compute)
+  if producer % 8 or compute % 8 or producer < 24 or compute > 256 or producer + 2 * compute > 504:
+    raise ValueError(f"mosaic_sm90 seesaw kernel: registers (producer {producer}, compute {compute}) must be "
+                     f"multiples of 8 in [24, 256] with producer + 2 x compute <= 504 (the launch's 3 x 168)")
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  return Plan(rows=rows, groups=groups, num_parts=int(num_parts))
+  return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
+              compute_registers=compute)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
-  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, block_table, lens,
-  cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain), E = num_parts + batch:
-  mosaic_sm90_rows.build_call's contract for a bf16 cache."""
-  g_count, parts = plan.groups, plan.num_parts
+  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
+  block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
+  E = num_parts + batch: mosaic_sm90_rows.build_call's contract."""
+  g_count, parts, fp8 = plan.groups, plan.num_parts, plan.fp8
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E
   causal_rows = bool(causal) and sq > 1
-  dt = jnp.bfloat16
+  dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
       ring_lat=plgpu.SMEM((2, 2, PAGE, HALF), dt, transforms=_SWZ16),            # [slot, part A/B, tok, col]
-      ring_rope=plgpu.SMEM((2, PAGE, ROPE_DIM), dt, transforms=_SWZ16),          # part B's rope
+      ring_rope=plgpu.SMEM((2, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),  # part B's rope
       pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
       stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
-      loaded_a=plgpu.Barrier(num_arrivals=1, num_barriers=2),                    # latent [0, 256) of slot s landed
-      loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),                    # latent [256, 512) + rope
+      # latent [0, 256) of slot s landed (bf16: its TMA; fp8: the producer's stores)
+      loaded_a=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA)
+      loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),
       # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
       consumed_a0=plgpu.Barrier(num_arrivals=1),
       consumed_a1=plgpu.Barrier(num_arrivals=2),
       # part B free: slot 0 after [0]'s QK and [1]'s P0 V0_R; slot 1 after [1]'s P1 V1_R
       consumed_b0=plgpu.Barrier(num_arrivals=2),
       consumed_b1=plgpu.Barrier(num_arrivals=1),
-      qbar=plgpu.Barrier(num_arrivals=2),                                        # Q's latent halves landed
+      qbar=plgpu.Barrier(num_arrivals=2),    # Q's latent halves landed (bf16: 2 TMAs; fp8: each warpgroup's f16 half)
       m0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote m0
       m1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote m1
       p0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote P0 (and its QK is done)
@@ -139,10 +164,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   if not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
     scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16)
-    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), dt, transforms=_SWZ16)
+    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
   names = list(scratch)
 
-  def body(q_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs):
+  def body(*refs):
+    q_ref, qr_ref, lat_ref, rope_ref = refs[:4]
+    sc_ref, refs = (refs[4], refs[5:]) if fp8 else (None, refs[4:])
+    bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs = refs
     r = dict(zip(names, scratch_refs))
     q_smem, ring_lat, ring_rope, pbuf, stats = (r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "stats"))
     loaded_a, loaded_b, qbar, lbar = r["loaded_a"], r["loaded_b"], r["qbar"], r["lbar"]
@@ -159,19 +187,57 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     # -------- warpgroup 2: the producer. Pair i of a segment: page lo + 2i -> slot 0, lo + 2i + 1 -> slot 1. ----
     @pl.when(wg == 2)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(plan.producer_registers, action="decrease")
 
       def load(b, j, slot, what, used):
+        """Part `what` of page j of sequence b into ring slot `slot`, once its readers of the previous pair are
+        done (used: pairs that used the slot before)."""
+        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
+        if fp8:
+          tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
+
         @pl.when(used > 0)
         def _():
-          plgpu.barrier_wait(consumed[what, slot])     # its readers of the previous pair are done
+          plgpu.barrier_wait(consumed[what, slot])
 
-        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
-        if what == "a":
-          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(0, HALF)], ring_lat.at[slot, 0], loaded_a.at[slot])
-        else:
-          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF, HALF)], ring_lat.at[slot, 1], loaded_b.at[slot])
+        if what == "b":
           plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded_b.at[slot])
+        if not fp8:
+          plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF if what == "b" else 0, HALF)],
+                                  ring_lat.at[slot, 1 if what == "b" else 0],
+                                  (loaded_b if what == "b" else loaded_a).at[slot])
+          return
+        store_f16(tiles, pg, slot, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
+        plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
+        plgpu.barrier_arrive((loaded_b if what == "b" else loaded_a).at[slot])
+
+      def fp8_tiles(pg, half):
+        """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (token half th,
+        column tile t), 8 bytes a thread each."""
+        return {(t, th): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
+                                    layout=dequant_layout(), optimized=False)
+                for t in (2 * half, 2 * half + 1) for th in (0, 1)}
+
+      def store_f16(tiles, pg, slot, half, n_valid):
+        """e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half]; tokens past the length
+        of a partial last page -> 0 by select (they may hold NaN; only such a page pays the select)."""
+        def convert(masked: bool):
+          for th in (0, 1):
+            sc = plgpu.load(sc_ref.at[pg, pl.ds(th * TOK, TOK)], layout=scale_layout(), optimized=False)
+            col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
+            if masked:
+              row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + th * TOK
+              ok = (row4 < n_valid).astype(jnp.float32)
+            for t in (2 * half, 2 * half + 1):
+              s_t = jnp.where(col4 == t, sc, 0.0).sum(axis=1).astype(jnp.float16)
+              x = tiles[t, th].astype(jnp.float16) * lax.broadcast_in_dim(s_t, (TOK, FP8_TILE), [0])
+              if masked:
+                ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+                x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+              ring_lat[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
+
+        pl.when(n_valid >= PAGE)(lambda: convert(False))
+        pl.when(n_valid < PAGE)(lambda: convert(True))
 
       def seg(b, counts):
         lo, hi = seq_pages(b)
@@ -199,7 +265,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
     # -------- warpgroups 0, 1 --------
     def compute(w: int):
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(plan.compute_registers, action="increase")
       wgmma_layout = plgpu.Layout.WGMMA
       row_layout = wgmma_layout.reduce(1)
       row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, PAGE), 0, layout=wgmma_layout)
@@ -209,7 +275,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       safe = lambda m: jnp.where(m == -jnp.inf, 0.0, m)             # exp2(x - safe(m)): no -inf - -inf
 
       def zero_tail(slot, half, n_valid, z):
-        # V rows past the length of a partial last page -> 0 in one half of a slot (they may hold NaN)
+        # V rows past the length of a partial last page -> 0 in one half of a slot (they may hold NaN); with an
+        # fp8 cache the producer's conversion already zeroed them
+        if fp8:
+          return
+
         @pl.when(n_valid < PAGE)
         def _():
           for c in range(HALF // CHUNK):
@@ -278,7 +348,16 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
           # segment, or nothing came before)
           bg = b * g_count + grp
-          if w == 0:
+          if fp8:
+            # each warpgroup converts its latent half of Q, bf16 in GMEM, to f16 into q_smem[w] (the pages are
+            # f16; the same rounding as an XLA cast, without writing an f16 copy of q first)
+            for c in range(HALF // FP8_TILE):
+              x = plgpu.load(q_ref.at[bg, :, pl.ds(w * HALF + c * FP8_TILE, FP8_TILE)], layout=dequant_layout(),
+                             optimized=False)
+              q_smem[w, :, pl.ds(c * FP8_TILE, FP8_TILE)] = x.astype(jnp.float16)
+            plgpu.commit_smem()             # visible to both warpgroups' wgmmas after qbar
+            plgpu.barrier_arrive(qbar)
+          elif w == 0:
             plgpu.commit_smem()
             for h in range(2):
               plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)

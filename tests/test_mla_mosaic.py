@@ -692,7 +692,7 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", num_stages=1)
   with pytest.raises(ValueError, match="seesaw kernel takes"):
     call(kernel="seesaw", prefetch_tiles=2)
-  with pytest.raises(ValueError, match="producer \+ 2 x compute <= 504"):
+  with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
   with pytest.raises(ValueError, match="registers applies to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))

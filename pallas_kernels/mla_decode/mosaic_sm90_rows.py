@@ -64,7 +64,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
+from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, produce_pages, scale_layout, scaled_f16,
+                                                    share_of_part, start_q_latent)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -260,15 +261,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + w * TOK
             ok = (row4 < n_valid).astype(jnp.float32)
           for t in range(LATENT_DIM // FP8_TILE):
-            s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
             cols = pl.ds((t % 2) * FP8_TILE, FP8_TILE)
-            x = plgpu.load(ring_lat.at[slot, t // 2, toks, cols], layout=dequant_layout(),
-                           optimized=True).astype(jnp.float16)
-            x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
-            if masked:
-              ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
-              x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-            kbuf[t // 2 + z, toks, cols] = x
+            x = plgpu.load(ring_lat.at[slot, t // 2, toks, cols], layout=dequant_layout(), optimized=True)
+            kbuf[t // 2 + z, toks, cols] = scaled_f16(x, sc_all, col4, t, ok if masked else None)
           if not held:
             krope[toks, :] = plgpu.load(ring_rope.at[slot, toks], layout=dequant_layout(), optimized=True)
 
@@ -288,14 +283,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             ok = (row4 < n_valid).astype(jnp.float32)
           out = []
           for t in ts:
-            s_t = jnp.where(col4 == t, sc_all, 0.0).sum(axis=1).astype(jnp.float16)
             x = plgpu.load(ring_lat.at[slot, t // 2, toks, pl.ds((t % 2) * FP8_TILE, FP8_TILE)],
-                           layout=dequant_layout(), optimized=True).astype(jnp.float16)
-            x = x * lax.broadcast_in_dim(s_t, x.shape, [0])
-            if masked:
-              ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
-              x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-            out.append(x)
+                           layout=dequant_layout(), optimized=True)
+            out.append(scaled_f16(x, sc_all, col4, t, ok if masked else None))
           return tuple(out)
 
         return lax.cond(n_valid >= (w + 1) * TOK, lambda: convert(False), lambda: convert(True))
@@ -331,22 +321,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
           # segment, or nothing came before)
           bg = b * g_count + grp
-          if fp8:
-            # each warpgroup converts its latent half of Q, bf16 in GMEM, to f16 into q_smem[w] (the dequantized
-            # page is f16; the same rounding as an XLA cast, without writing an f16 copy of q first)
-            for c in range(HALF // FP8_TILE):
-              x = plgpu.load(q_ref.at[bg, :, pl.ds(w * HALF + c * FP8_TILE, FP8_TILE)], layout=dequant_layout(),
-                             optimized=False)
-              q_smem[w, :, pl.ds(c * FP8_TILE, FP8_TILE)] = x.astype(jnp.float16)
-            plgpu.commit_smem()               # visible to both warpgroups' wgmmas after qbar
-            plgpu.barrier_arrive(qbar)
-          if w == 0:
-            plgpu.commit_smem()
-            if not fp8:
-              for h in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
-            if not held:
-              plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar)
+          start_q_latent(q_ref, bg, q_smem, qbar, w, fp8, HALF)
+          if w == 0 and not held:
+            if fp8:
+              plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar)
           qr = None
           if held:
             # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)

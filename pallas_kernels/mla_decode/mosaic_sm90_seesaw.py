@@ -54,7 +54,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import dequant_layout, scale_layout, share_of_part
+from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, scale_layout, scaled_f16, share_of_part,
+                                                    start_q_latent)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -229,12 +230,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + th * TOK
               ok = (row4 < n_valid).astype(jnp.float32)
             for t in (2 * half, 2 * half + 1):
-              s_t = jnp.where(col4 == t, sc, 0.0).sum(axis=1).astype(jnp.float16)
-              x = tiles[t, th].astype(jnp.float16) * lax.broadcast_in_dim(s_t, (TOK, FP8_TILE), [0])
-              if masked:
-                ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
-                x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
-              ring_lat[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
+              ring_lat[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = scaled_f16(
+                  tiles[t, th], sc, col4, t, ok if masked else None)
 
         pl.when(n_valid >= PAGE)(lambda: convert(False))
         pl.when(n_valid < PAGE)(lambda: convert(True))
@@ -348,19 +345,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
           # segment, or nothing came before)
           bg = b * g_count + grp
-          if fp8:
-            # each warpgroup converts its latent half of Q, bf16 in GMEM, to f16 into q_smem[w] (the pages are
-            # f16; the same rounding as an XLA cast, without writing an f16 copy of q first)
-            for c in range(HALF // FP8_TILE):
-              x = plgpu.load(q_ref.at[bg, :, pl.ds(w * HALF + c * FP8_TILE, FP8_TILE)], layout=dequant_layout(),
-                             optimized=False)
-              q_smem[w, :, pl.ds(c * FP8_TILE, FP8_TILE)] = x.astype(jnp.float16)
-            plgpu.commit_smem()             # visible to both warpgroups' wgmmas after qbar
-            plgpu.barrier_arrive(qbar)
-          elif w == 0:
-            plgpu.commit_smem()
-            for h in range(2):
-              plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * HALF, HALF)], q_smem.at[h], qbar)
+          start_q_latent(q_ref, bg, q_smem, qbar, w, fp8, HALF)
           # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
           qr = plgpu.load(qr_ref.at[bg], layout=wgmma_layout, optimized=False)
           if not on_gpu:

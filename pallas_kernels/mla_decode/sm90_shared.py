@@ -3,8 +3,8 @@
 - The split-KV share a CTA owns (`share_of_part`) and the producer warpgroup that streams its pages by TMA through the
   block table into the SMEM ring (`produce_pages`).
 - The register layouts for dequantizing an fp8 page (e4m3 -> f16 x tile scale). Both describe tiles whose row count
-  is a multiple of 32: the swapped kernel dequantizes [64 tok, 128] tiles, the rows kernel [32 tok, 128] tiles (each
-  compute warpgroup its own half of the page's tokens).
+  is a multiple of 32: the swapped kernel dequantizes [64 tok, 128] tiles, the rows and seesaw kernels [32 tok, 128]
+  tiles (`scaled_f16`), and the 64-row kernels' Q in f16 (`start_q_latent`).
 """
 from __future__ import annotations
 
@@ -77,3 +77,33 @@ def scale_layout():
   (a reduction inside each thread: no cross-warp scratch)."""
   return plgpu.Layout.TILED(plgpu.Tiling(((32, 4), (8, 4), (4, 4))), warp_dims=(-6,),
                             lane_dims=(-2, plgpu.Replicated(8)), vector_dim=-1)
+
+
+def scaled_f16(x, sc, col4, t: int, ok=None):
+  """An e4m3 [32k tok, 128] tile (dequant_layout) that is column tile t of its page -> f16 x its rows' scales (a
+  power of two: exact). sc: the rows' [32k, 4] scales and col4 their column iota (scale_layout); ok: 1.0 for the
+  rows to keep, where the others -> 0 by select (tokens past a length may hold NaN), None: keep all."""
+  s_t = jnp.where(col4 == t, sc, 0.0).sum(axis=1).astype(jnp.float16)
+  x = x.astype(jnp.float16) * lax.broadcast_in_dim(s_t, x.shape, [0])
+  if ok is not None:
+    ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
+    x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
+  return x
+
+
+def start_q_latent(q_ref, bg, q_smem, qbar, w: int, fp8: bool, half: int):
+  """Q's latent part of row block bg into q_smem [2 halves, 64, half] at a segment start, arriving on qbar (2
+  arrivals). fp8 cache: each compute warpgroup w converts its half, bf16 in GMEM, to f16 (the pages are f16; the
+  same rounding as an XLA cast, without writing an f16 copy of q first); bf16: warpgroup 0 copies both halves by
+  TMA. The caller has made sure both warpgroups are done with the previous Q."""
+  tile = 128
+  if fp8:
+    for c in range(half // tile):
+      x = plgpu.load(q_ref.at[bg, :, pl.ds(w * half + c * tile, tile)], layout=dequant_layout(), optimized=False)
+      q_smem[w, :, pl.ds(c * tile, tile)] = x.astype(jnp.float16)
+    plgpu.commit_smem()               # visible to both warpgroups' wgmmas after qbar
+    plgpu.barrier_arrive(qbar)
+  elif w == 0:
+    plgpu.commit_smem()
+    for h in range(2):
+      plgpu.copy_gmem_to_smem(q_ref.at[bg, :, pl.ds(h * half, half)], q_smem.at[h], qbar)

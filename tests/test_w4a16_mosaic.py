@@ -741,3 +741,35 @@ def test_wgmma_probe_with_decode_lowers_for_sm90(wgs):
   with pytest.raises(ValueError, match="decode"):
     wgmma_probe.wgmma_steps(n=8, k_per_call=64, calls=2, iters=1, warpgroups=1, a_in_registers=True, num_ctas=1,
                             decode=True)
+
+
+@pytest.mark.parametrize("m,k,n,g,cfg", [
+    (16, 512, 192, 64, dict(num_ctas=3)),                          # one 16-row block, stream-K (the default)
+    (64, 768, 128, 128, dict(splits=3, num_ctas=2)),               # one 64-row block, explicit K splits
+    (8, 512, 192, 32, dict(min_block_m=8, fold="fma", convert_in_producer=True)),   # 8 rows, the fma fold
+    (128, 512, 128, 64, dict(num_ctas=3)),                         # two 64-row blocks
+])
+def test_dense_reads_x_in_place_where_it_fills_its_blocks(monkeypatch, m, k, n, g, cfg):
+  """Dense M that fills its row blocks: the kernel reads x where it is (x_in_block_order), bit-identical to the
+  copy into block order; other M keep the copy."""
+  rng = np.random.default_rng(300 + m)
+  q, z, s = rand_awq(rng, k, n, g)
+  w = to_device(layout.pack(q, z, s, g, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  seen = []
+  real = ms.grouped_matmul
+
+  def spy(*args, **kw):
+    seen.append(kw.get("x_in_block_order", False))
+    return real(*args, **kw)
+
+  monkeypatch.setattr(ms, "grouped_matmul", spy)
+  y = ms.matmul(x, w, interpret=True, config=cfg)
+  full = {**ms.DENSE_CONFIG, **cfg}
+  copied = routing.dense_matmul(real, x, w, config=full, interpret=True, out_dtype=None,
+                                min_block_m=int(full.get("min_block_m", ms.DEFAULT_CONFIG["min_block_m"])))
+  assert seen == [True]
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(copied, np.float32))
+  assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
+  ms.matmul(x[: m - 1], w, interpret=True, config=cfg)              # one row short: copied into its block
+  assert seen == [True, False]

@@ -313,7 +313,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       def pv(acc, p, v_ref, own: bool):
         """O (this warpgroup's half) += P [64, 64] . V [64 tok, 256]. own: P is this warpgroup's registers (the
         GPU's register A operand; interpret mode: own_p[w] in SMEM), else the other's pbuf. On the GPU acc is the
-        segment's accumulator ref and nothing is returned; in interpret mode acc is a value and the sum returned."""
+        segment's accumulator ref (returned as it is); in interpret mode acc is a value and the sum is returned."""
         if on_gpu:
           plgpu.wgmma(acc, p, v_ref)
           plgpu.wgmma_wait(0)

@@ -1068,10 +1068,13 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
 
 def matmul(x: jax.Array, w: layout.W4A16Weight, *, interpret: bool = False, config: dict | None = None,
            out_dtype=None):
-  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 8 / 16 / 32 / 64 per block."""
+  """x [M, K] bf16 @ W [K, N] -> [M, N] in out_dtype (default bf16). M rows padded to 8 / 16 / 32 / 64 per block;
+  where M fills its blocks (M = 8, 16, 32 or a multiple of 64: every decode batch of 64) the kernel reads x where
+  it is, without a copy into block order (V3 slice, H200: a 1.4-2.4 µs select fusion before each such linear)."""
   cfg = {**DENSE_CONFIG, **(config or {})}
   return routing.dense_matmul(grouped_matmul, x, w, config=cfg, interpret=interpret, out_dtype=out_dtype,
-                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])))
+                              min_block_m=int(cfg.get("min_block_m", DEFAULT_CONFIG["min_block_m"])),
+                              reads_x_in_place=True)
 
 
 def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16Weight, *, busy_blocks: int,

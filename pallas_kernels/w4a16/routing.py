@@ -178,14 +178,17 @@ def stream_k_plan(units: int, n_chunks: int, ctas: int):
 
 
 def dense_matmul(grouped_matmul, x: jax.Array, w: layout.W4A16Weight, *, config: dict, interpret: bool,
-                 out_dtype, min_block_m: int = 16) -> jax.Array:
+                 out_dtype, min_block_m: int = 16, reads_x_in_place: bool = False) -> jax.Array:
   """x [M, K] @ W [K, N] through a grouped kernel (triton.grouped_matmul or mosaic_sm90.grouped_matmul): W as a
-  one-expert stack, M rows in dense_blocks."""
+  one-expert stack, M rows in dense_blocks. reads_x_in_place: the kernel takes x_in_block_order, used where M
+  fills its blocks exactly (x's rows are then the blocks' rows, and the copy into block order is skipped)."""
   m = x.shape[0]
   blocks = dense_blocks(m, min_block_m)
+  in_place = reads_x_in_place and m == blocks.row_token.shape[0]
   y = grouped_matmul(x, layout.as_stack(w), blocks.block_expert, blocks.row_token, blocks.row_weight,
                      block_m=blocks.block_m, gated=False, weighted=False, out_dtype=out_dtype or x.dtype,
-                     busy_blocks=blocks.num_blocks, interpret=interpret, config=config)
+                     busy_blocks=blocks.num_blocks, interpret=interpret, config=config,
+                     **(dict(x_in_block_order=True) if in_place else {}))
   return y[:m, :w.n]
 
 

@@ -480,7 +480,8 @@ def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, 
   """The split-KV schedule (cu, sched, payload) of a call with `rows` = Sq * H query rows per sequence, a block
   table `max_pages` wide and these lengths: what mla_decode computes when it is not given one. It depends only on
   seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata).
-  kernel: as mla_decode's (the two kernels split the pages into different numbers of shares)."""
+  kernel: as mla_decode's (the swapped kernel splits the pages into other numbers of shares than the two 64-row
+  kernels)."""
   which = choose_kernel(rows, fp8, kernel)
   if which in ROWS_KERNELS:
     num_parts = ROWS_KERNELS[which].make_plan(rows, num_sms=_num_sms(), fp8=fp8).num_parts
@@ -533,18 +534,17 @@ def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, inter
 
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
                      interpret, num_parts, num_stages, schedule, kernel="rows", **rows_plan):
-  """mla_decode through a kernel with 64 query rows per CTA: rows (mosaic_sm90_rows.py, bf16 or fp8 cache) or
-  seesaw (mosaic_sm90_seesaw.py, bf16)."""
+  """mla_decode through a kernel with 64 query rows per CTA, bf16 or fp8 cache: rows (mosaic_sm90_rows.py) or seesaw
+  (mosaic_sm90_seesaw.py)."""
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   module = ROWS_KERNELS[kernel]
-  plan = module.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages,
-                                    fp8=fp8, **rows_plan)
+  plan = module.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages, fp8=fp8,
+                          **rows_plan)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
-  call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal,
-                                     softmax_scale=softmax_scale, num_pages=cache.num_pages,
-                                     interpret=_interpret_params(interpret))
+  call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
+                           num_pages=cache.num_pages, interpret=_interpret_params(interpret))
   # Q's two parts in rows (reshapes at h128), sliced first so that XLA takes each from its producer and the
   # model's [.., 576] concatenation is never written (V3 slice on an H200, ad387e9: 7.3 µs per layer); with an
   # fp8 cache the kernel converts the latent part to f16 itself
@@ -570,11 +570,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
-  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" | "seesaw" (choose_kernel; the rows kernel takes
-  num_parts and num_stages, not rows_per_cta or split_p: its P is bf16, f16 with an fp8 cache). prefetch_tiles:
-  the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while the previous
-  page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
-  mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
+  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" | "seesaw" (choose_kernel; the rows and
+  seesaw kernels take num_parts and num_stages, not rows_per_cta or split_p: their P is bf16, f16 with an fp8
+  cache). prefetch_tiles: the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant
+  tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
+  (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS).
   """
   if cache.page_size != PAGE:

@@ -764,12 +764,15 @@ def test_dense_reads_x_in_place_where_it_fills_its_blocks(monkeypatch, m, k, n, 
     return real(*args, **kw)
 
   monkeypatch.setattr(ms, "grouped_matmul", spy)
-  y = ms.matmul(x, w, interpret=True, config=cfg)
+  # under jit, as the public op calls it: an eager interpret-mode call dispatches its ops asynchronously, and ops
+  # queued behind a running kernel can take the XLA:CPU pool threads its warpgroups need (a deadlock seen in CI)
+  y = jax.jit(lambda x, w: ms.matmul(x, w, interpret=True, config=cfg))(x, w)
   full = {**ms.DENSE_CONFIG, **cfg}
-  copied = routing.dense_matmul(real, x, w, config=full, interpret=True, out_dtype=None,
-                                min_block_m=int(full.get("min_block_m", ms.DEFAULT_CONFIG["min_block_m"])))
+  copied = jax.jit(lambda x, w: routing.dense_matmul(
+      real, x, w, config=full, interpret=True, out_dtype=None,
+      min_block_m=int(full.get("min_block_m", ms.DEFAULT_CONFIG["min_block_m"]))))(x, w)
   assert seen == [True]
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(copied, np.float32))
   assert max_rel(y, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
-  ms.matmul(x[: m - 1], w, interpret=True, config=cfg)              # one row short: copied into its block
+  jax.jit(lambda x, w: ms.matmul(x, w, interpret=True, config=cfg))(x[: m - 1], w)   # one row short: copied
   assert seen == [True, False]

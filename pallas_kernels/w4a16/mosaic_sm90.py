@@ -1049,8 +1049,10 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
                       stream_k=slots if stream_k else 0, x_reuse=x_reuse, sub_tiles=sub)
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
-  counts = jnp.concatenate([jnp.sum(block_expert >= 0, dtype=jnp.int32).reshape(1),
-                            jnp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=jnp.int32)])
+  # (NumPy for a dense call's blocks, routing.dense_blocks: a constant of the program, not a ~1 µs kernel)
+  xp = np if isinstance(block_expert, np.ndarray) and isinstance(row_token, np.ndarray) else jnp
+  counts = xp.concatenate([xp.sum(block_expert >= 0, dtype=np.int32).reshape(1),
+                           xp.sum((row_token >= 0).reshape(nb, block_m), axis=1, dtype=np.int32)])
   out = call(block_expert, counts, xb, w.packed, w.scales, w.zeros, *extra)
   if stream_k:
     out = sum_stream_k(out, valid, block_m, sub)

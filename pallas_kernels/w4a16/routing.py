@@ -127,13 +127,14 @@ def _align_one_token(ids, kept, weights, nb: int, block_m: int) -> Routing:
 def dense_blocks(m: int, min_block_m: int = 16) -> Routing:
   """The row blocks of a dense matmul of M rows for the grouped kernels: one "expert" (0), blocks of min_block_m
   (16, or 8 where the kernel takes it) / 16 / 32 / 64 rows (the smallest that holds M, up to 64), rows past M
-  padding. pair_row is the identity [M, 1]."""
+  padding. pair_row is the identity [M, 1]. NumPy arrays: known when the program is traced, so what a kernel
+  derives from them (mosaic_sm90's block counts) is a constant, not a kernel of its own."""
   block_m = next((b for b in (8, 16, 32) if b >= min_block_m and m <= b), 64)
   nb = -(-m // block_m)
-  rows = jnp.arange(nb * block_m, dtype=jnp.int32)
-  return Routing(block_expert=jnp.zeros((nb,), jnp.int32), row_token=jnp.where(rows < m, rows, -1),
-                 row_weight=jnp.ones((nb * block_m,), jnp.float32),
-                 pair_row=jnp.arange(m, dtype=jnp.int32)[:, None], block_m=block_m)
+  rows = np.arange(nb * block_m, dtype=np.int32)
+  return Routing(block_expert=np.zeros((nb,), np.int32), row_token=np.where(rows < m, rows, -1).astype(np.int32),
+                 row_weight=np.ones((nb * block_m,), np.float32),
+                 pair_row=np.arange(m, dtype=np.int32)[:, None], block_m=block_m)
 
 
 def in_place_rows(routing: Routing) -> jax.Array:

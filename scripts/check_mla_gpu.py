@@ -202,6 +202,16 @@ def timing_variants():
        dict(kernel="seesaw")),
       ("fp8_e4m3 h128 sq2 seesaw", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
       ("fp8_e4m3 h128 b64 seesaw", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
+      # warpgroup 0's P0 V0_L left in flight while it hands P0 over (early_p0), and half the shares (twice the
+      # pages a share: a kernel bound by the ring's refills slows less than linearly)
+      ("bfloat16 h128 seesaw early_p0", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
+      ("bfloat16 h128 sq2 seesaw early_p0", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
+      ("fp8_e4m3 h128 seesaw early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
+      ("bfloat16 h128 seesaw parts/2", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", num_parts=33)),
       # the fp8 producer's register split (producer, compute): more for the conversion or more for the softmax
       *((f"fp8_e4m3 h128 seesaw regs {p}/{c}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="seesaw", registers=dict(producer_registers=p, compute_registers=c)))

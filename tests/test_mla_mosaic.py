@@ -345,8 +345,9 @@ def test_rows_kernel_schedule_matches_its_shares():
 
 
 def test_kernel_choice():
-  assert ms.choose_kernel(128, False) == "rows" and ms.choose_kernel(64, False) == "rows"
-  assert ms.choose_kernel(256, False) == "rows"                        # h128 Sq2
+  assert ms.choose_kernel(128, False) == "seesaw" and ms.choose_kernel(64, False) == "seesaw"
+  assert ms.choose_kernel(256, False) == "seesaw"                      # h128 Sq2
+  assert ms.choose_kernel(128, False, "rows") == "rows"
   assert ms.choose_kernel(128, True) == "rows" and ms.choose_kernel(64, True) == "rows"
   assert ms.choose_kernel(16, True) == "swapped" and ms.choose_kernel(80, True) == "swapped"
   assert ms.choose_kernel(128, True, "rows") == "rows"
@@ -682,6 +683,9 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, **kw)
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
+  # early_p0 (warpgroup 0's P0 V0_L left in flight) is a GPU-only program: it lowers to a different kernel
+  early = mss.make_plan(sq * heads, num_sms=8, fp8=fp8, early_p0=True)
+  assert early.early_p0 and _lower_rows_for_sm90(early, **kw) != _lower_rows_for_sm90(plan, **kw)
 
 
 def test_seesaw_kernel_rejects_what_it_cannot_run():
@@ -694,8 +698,10 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers applies to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers and early_p0 apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
+  with pytest.raises(ValueError, match="registers and early_p0 apply to the seesaw kernel"):
+    call(kernel="swapped", early_p0=True)
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
            for k in ("rows", "seesaw")]

@@ -462,16 +462,19 @@ ROWS_KERNELS = {"rows": mosaic_sm90_rows, "seesaw": mosaic_sm90_seesaw}
 
 
 def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
-  """Which of the backend's two kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA)
-  or "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M). "auto" takes rows when Sq * H is a multiple
-  of 64 (h64 / h128 decode: no padded rows), else swapped; for both caches (H200, b128 h128 L4096: bf16 428 vs 202
-  TFLOP/s, fp8 281 vs 163). Forcing "rows" pads the rows to a multiple of 64 with zero queries (the padding is
-  computed and dropped). "seesaw" (mosaic_sm90_seesaw.py; opt-in, not yet measured on a GPU) holds 64 rows per CTA
-  as rows does and runs FlashMLA's staggered two-page schedule (an fp8 cache: dequantized by the producer)."""
+  """Which of the backend's three kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA),
+  "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M) or "seesaw" (mosaic_sm90_seesaw.py; 64 rows per
+  CTA as rows, FlashMLA's staggered two-page schedule). "auto", when Sq * H is a multiple of 64 (h64 / h128
+  decode: no padded rows): seesaw for a bf16 cache, rows for fp8 (H100, jax 0.11.2, b128 h128 L4096, CUPTI: bf16
+  seesaw 287 us vs rows 309, fp8 seesaw 468 vs rows 374: its producer cannot dequantize a page per MMA pair; NOTES.md);
+  otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs 163 fp8). Forcing "rows" or
+  "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed and dropped)."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":
-    return "rows" if rows >= mosaic_sm90_rows.ROWS and rows % mosaic_sm90_rows.ROWS == 0 else "swapped"
+    if rows >= mosaic_sm90_rows.ROWS and rows % mosaic_sm90_rows.ROWS == 0:
+      return "rows" if fp8 else "seesaw"
+    return "swapped"
   return kernel
 
 
@@ -565,7 +568,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                num_stages: int | None = None, rows_per_cta: int | None = None,
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
-               registers: dict | None = None) -> tuple[jax.Array, jax.Array]:
+               registers: dict | None = None, early_p0: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -575,7 +578,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   cache). prefetch_tiles: the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant
   tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
   (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
-  "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS).
+  "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS). early_p0: the seesaw kernel's warpgroup 0 hands P0
+  to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -594,9 +598,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                        "/ split_p are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            kernel="seesaw", **(registers or {}))
-  if registers is not None:
-    raise ValueError("mosaic_sm90: registers applies to the seesaw kernel (kernel='seesaw')")
+                            kernel="seesaw", early_p0=early_p0, **(registers or {}))
+  if registers is not None or early_p0 is not None:
+    raise ValueError("mosaic_sm90: registers and early_p0 apply to the seesaw kernel (kernel='seesaw')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "

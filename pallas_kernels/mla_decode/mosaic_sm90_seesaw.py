@@ -86,6 +86,9 @@ class Plan:
   producer_registers: int = 40
   compute_registers: int = 232
   num_stages: int = 2  # the ring is the pair of pages
+  # warpgroup 0 leaves P0 V0_L in flight while it waits for m1 and hands the rescaled P0 to warpgroup 1 (GPU only;
+  # interpret mode runs every wgmma to completion, so there both orders are the same program)
+  early_p0: bool = False
 
   @property
   def n(self) -> int:
@@ -109,7 +112,7 @@ def smem_bytes() -> int:
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False, producer_registers: int | None = None,
-              compute_registers: int | None = None) -> Plan:
+              compute_registers: int | None = None, early_p0: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -125,7 +128,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
-              compute_registers=compute)
+              compute_registers=compute, early_p0=bool(early_p0))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -310,13 +313,15 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, PAGE), jnp.float32)) * scale_log2
         return jnp.where(j * PAGE + tok_iota < limit, s, -jnp.inf)
 
-      def pv(acc, p, v_ref, own: bool):
+      def pv(acc, p, v_ref, own: bool, wait: bool = True):
         """O (this warpgroup's half) += P [64, 64] . V [64 tok, 256]. own: P is this warpgroup's registers (the
         GPU's register A operand; interpret mode: own_p[w] in SMEM), else the other's pbuf. On the GPU acc is the
-        segment's accumulator ref (returned as it is); in interpret mode acc is a value and the sum is returned."""
+        segment's accumulator ref (returned as it is); in interpret mode acc is a value and the sum is returned.
+        wait=False (GPU): the product is left in flight; the caller waits before it touches acc or frees V."""
         if on_gpu:
           plgpu.wgmma(acc, p, v_ref)
-          plgpu.wgmma_wait(0)
+          if wait:
+            plgpu.wgmma_wait(0)
           return acc
         if own:
           own_p[w] = p
@@ -377,14 +382,20 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 p0 = jnp.exp2(s0 - lax.broadcast_in_dim(m0s, s0.shape, [0]))
                 l_mine = l_mine * alpha0 + p0.sum(axis=1)
                 zero_tail(0, 0, n0, z)
-                acc = pv(rescale(acc, alpha0), p0.astype(dt), ring_lat.at[0 + z, 0], own=True)
-                plgpu.barrier_arrive(consumed_a0)                      # slot 0's part A is free
+                early = plan.early_p0 and on_gpu
+                acc = pv(rescale(acc, alpha0), p0.astype(dt), ring_lat.at[0 + z, 0], own=True, wait=not early)
+                if not early:
+                  plgpu.barrier_arrive(consumed_a0)                    # slot 0's part A is free
                 plgpu.barrier_wait(m1bar)
                 m1 = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
                 alpha1 = jnp.exp2(m0 - safe(m1))
+                # P0 (f32, not the bf16 A operand of the product in flight) rescaled for warpgroup 1's P0 V0_R
                 pbuf[0 + z] = (p0 * lax.broadcast_in_dim(alpha1, s0.shape, [0])).astype(dt)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p0bar)
+                if early:
+                  plgpu.wgmma_wait(0)                                  # P0 V0_L done: acc and part A free
+                  plgpu.barrier_arrive(consumed_a0)
                 l_mine = l_mine * alpha1
                 acc = rescale(acc, alpha1)
                 plgpu.barrier_wait(p1bar)

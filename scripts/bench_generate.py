@@ -20,7 +20,8 @@ Two modes (run one or both in one call):
       --batch sequences of --context tokens (random latents written through MLAKVCache.write: the step's cost
       does not depend on the values). Times the public decode_step (jitted, cache donated) for each backend in
       --backends, checks its logits against the xla backend on the same inputs, and compares the step time with
-      its roofline: (bytes of weights the step reads + cache bytes) / 4.27 TB/s. Weights read: every layer's
+      its roofline: (bytes of weights the step reads + cache bytes) / the copy bandwidth measured in the same
+      run on a GPU (a 2 GiB y = x + 1; 4.27 TB/s, an H200's, on a CPU). Weights read: every layer's
       attention weights (AWQ resident bytes of q_a/q_b/kv_a/o and the bf16 absorbed W_UK/W_UV; kv_b is not read
       by decode), dense MLPs, router + shared experts, the routed experts the batch touches (expected number of
       distinct experts under uniform routing: E·(1-(1-K/E)^B)), lm_head (bf16), norms; cache: B·context·656 B per
@@ -52,7 +53,7 @@ import numpy as np
 from mla_jax import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth measured here (docs/architecture.md §11)
+HBM_BYTES_PER_S = 4.27e12           # H200 HBM copy bandwidth (docs/architecture.md §11): the roofline without a GPU
 
 
 def run_info(commit_override=None) -> dict:
@@ -310,7 +311,7 @@ def bench_v3_slice(args, info) -> dict:
     from flax import nnx
 
     import pallas_kernels
-    from pallas_kernels.testing import compare, device_time
+    from pallas_kernels.testing import compare, copy_ceiling_gbps, device_time
     from pallas_kernels import resolve_backend
     from mla_jax.engine.sampling import sample
     from mla_jax.engine.runner import decode_loop_compiler_options
@@ -355,7 +356,16 @@ def bench_v3_slice(args, info) -> dict:
     out["cache_fill_s"] = time.perf_counter() - t
     cache_bpt = caches[0].bytes_per_token
     out["roofline_bytes"] = v3_bytes_per_step(cfg, B, L, cache_bpt)
-    out["roofline_ms"] = 1e3 * out["roofline_bytes"]["total"] / HBM_BYTES_PER_S
+    # the roofline at this device's copy bandwidth (an H100's is ~3.0 TB/s, an H200's ~4.27)
+    if jax.devices()[0].platform == "gpu":
+        out["copy_gbps"] = copy_ceiling_gbps()
+        out["roofline_bandwidth"] = dict(bytes_per_s=out["copy_gbps"] * 1e9, source="copy measured in this run")
+    else:
+        out["roofline_bandwidth"] = dict(bytes_per_s=HBM_BYTES_PER_S, source="H200 copy constant (no GPU)")
+    out["roofline_ms"] = 1e3 * out["roofline_bytes"]["total"] / out["roofline_bandwidth"]["bytes_per_s"]
+    print(f"  roofline {out['roofline_ms']:.2f} ms: {out['roofline_bytes']['total'] / 1e9:.2f} GB at "
+          f"{out['roofline_bandwidth']['bytes_per_s'] / 1e9:,.0f} GB/s ({out['roofline_bandwidth']['source']})",
+          flush=True)
 
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=B), jnp.int32)

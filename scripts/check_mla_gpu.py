@@ -4,8 +4,7 @@ Correctness: random shapes (ragged lengths, zero-length sequences, Sq=2 causal, 
 fp8 caches; every unused slot NaN) through pallas_kernels.mla_decode(backend="mosaic_sm90") vs backend="xla",
 with the tolerances of docs/architecture.md §3 (pallas_kernels.testing.compare). Timing (--timing): b128 L4096
 shapes with CUPTI per-kernel times, including the ragged [1, 2L] case, the bf16-P variant (split_p=False) and
-the fp8 cache through the rows kernel (kernel="rows"; auto keeps fp8 on the swapped kernel until it is measured);
-the grid over every backend is scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version,
+each of the three kernels forced (kernel="swapped" | "rows" | "seesaw"); the grid over every backend is scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version,
 commit).
 
   python scripts/check_mla_gpu.py --out bench/results/mla_mosaic_check.json [--timing] [--commit SHA]
@@ -60,12 +59,15 @@ def correctness_cases(kind: str):
       # several sequences per share with several head groups (the engine's h128 decode)
       ("fp8 h128 b48 many seqs/part", "fp8_e4m3", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 b40 many seqs/part causal", "bfloat16", 64, 2, ragged(40, 1200)),
-      # bf16 with Sq*H a multiple of 64: the rows kernel (mosaic_sm90_rows.py) under kernel="auto"
+      # bf16 with Sq*H a multiple of 64: the seesaw kernel (mosaic_sm90_seesaw.py) under kernel="auto"
       ("bf16 h64 ragged+0", "bfloat16", 64, 1, [0] + ragged(6, 900)),
       ("bf16 h128 ragged+0", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000)),
       ("bf16 h128 b48 many seqs/part", "bfloat16", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700)),
-      # fp8 through the rows kernel, forced (kernel="auto" keeps fp8 on the swapped kernel until this is measured)
+      # ... and the bf16 rows kernel, forced (auto's choice before the seesaw kernel was measured)
+      ("bf16 h128 ragged+0 rows", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "rows"),
+      ("bf16 h64 sq2 rows causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
+      # fp8 through the rows kernel (auto's choice for fp8 where Sq*H is a multiple of 64), forced
       ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [0] + ragged(6, 900), "rows"),
       ("fp8 h128 ragged+0 rows", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows"),
       ("fp8 h128 b48 many seqs/part rows", "fp8_e4m3", 128, 1, ragged(48, 1500), "rows"),
@@ -202,12 +204,12 @@ def timing_variants():
        dict(kernel="seesaw")),
       ("fp8_e4m3 h128 sq2 seesaw", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
       ("fp8_e4m3 h128 b64 seesaw", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90", dict(kernel="seesaw")),
-      # warpgroup 0's P0 V0_L left in flight while it hands P0 over (early_p0), and half the shares (twice the
-      # pages a share: a kernel bound by the ring's refills slows less than linearly)
-      ("bfloat16 h128 seesaw early_p0", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", early_p0=True)),
-      ("bfloat16 h128 sq2 seesaw early_p0", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", early_p0=True)),
+      # warpgroup 0's P0 V0_L left in flight while it hands P0 over (early_p0: the bf16 default) or waited for
+      # first (late); half the shares leaves half the SMs idle (66 CTAs): recorded once, not a ring test
+      ("bfloat16 h128 seesaw late_p0", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=False)),
+      ("bfloat16 h128 sq2 seesaw late_p0", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=False)),
       ("fp8_e4m3 h128 seesaw early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", early_p0=True)),
       ("bfloat16 h128 seesaw parts/2", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
@@ -297,7 +299,8 @@ def main():
   ap.add_argument("--case-grep", default=None, help="run only the correctness cases whose name contains this")
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
   ap.add_argument("--kernel", default="auto", choices=list(mosaic_sm90.KERNELS),
-                  help="mosaic_sm90 kernel for the correctness cases (auto: rows for Sq*H %% 64 == 0)")
+                  help="mosaic_sm90 kernel for the correctness cases (auto: seesaw for bf16, rows for fp8, where "
+                       "Sq*H %% 64 == 0)")
   ap.add_argument("--commit", default=None)
   args = ap.parse_args()
   if args.only:

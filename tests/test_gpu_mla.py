@@ -70,12 +70,14 @@ def test_seesaw_kernel_vs_float64(dtype, heads, sq, causal):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
-def test_seesaw_kernel_early_p0_vs_float64(dtype, heads, sq, causal):
-  """The seesaw kernel with early_p0: warpgroup 0's P0 V0_L in flight while it rescales and hands over P0 (its
-  register A operand and the accumulator must not be touched until the wait), which interpret mode does not run."""
+def test_seesaw_kernel_other_p0_order_vs_float64(dtype, heads, sq, causal):
+  """The seesaw kernel with the P0 hand-off order its cache does not take by default (early_p0: warpgroup 0's
+  P0 V0_L in flight while it rescales and hands over P0; on for bf16, off for fp8): the register A operand and the
+  accumulator must not be touched until the wait, which interpret mode does not run."""
   from pallas_kernels.mla_decode import mosaic_sm90
+  early = dtype == "fp8_e4m3"
   q, cache, table, lens = random_problem(heads + sq + 23, lens=LENS, sq=sq, heads=heads, dtype=dtype)
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", early_p0=True),
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", early_p0=early),
       c, t, n))(q, cache, table, lens)
   assert_matches_float64(out, lse, q, cache, table, lens, causal)

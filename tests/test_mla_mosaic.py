@@ -684,8 +684,9 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   assert "mosaic_gpu" in _lower_rows_for_sm90(plan, **kw)
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
   # early_p0 (warpgroup 0's P0 V0_L left in flight) is a GPU-only program: it lowers to a different kernel
-  early = mss.make_plan(sq * heads, num_sms=8, fp8=fp8, early_p0=True)
-  assert early.early_p0 and _lower_rows_for_sm90(early, **kw) != _lower_rows_for_sm90(plan, **kw)
+  assert plan.early_p0 == (not fp8)                                    # the default: on for bf16, off for fp8
+  other = mss.make_plan(sq * heads, num_sms=8, fp8=fp8, early_p0=fp8)
+  assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != _lower_rows_for_sm90(plan, **kw)
 
 
 def test_seesaw_kernel_rejects_what_it_cannot_run():

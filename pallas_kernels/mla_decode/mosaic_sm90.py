@@ -25,6 +25,10 @@ before any product, scores past the length (or the causal limit) are masked to -
 Register budgets are set per warpgroup (producer 40, compute 232): the producer needs few, and with a uniform 168
 the compute warpgroups (a [256, N] f32 accumulator, the [64, N] scores and row sums) took 1.36-1.43x as long on
 the H200 (bench/HISTORY.md). What bounds this kernel, measured, and the designs that would lift it: NOTES.md here.
+
+This module is the backend's dispatch too: with Sq * H a multiple of 64 (h64 / h128) the query rows fill wgmma M
+and `choose_kernel` sends the call to a 64-row kernel instead, the seesaw kernel (mosaic_sm90_seesaw.py) for a bf16
+cache and the rows kernel (mosaic_sm90_rows.py) for fp8.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Correctness: random shapes (ragged lengths, zero-length sequences, Sq=2 causal, 
 fp8 caches; every unused slot NaN) through pallas_kernels.mla_decode(backend="mosaic_sm90") vs backend="xla",
 with the tolerances of docs/architecture.md §3 (pallas_kernels.testing.compare). Timing (--timing): b128 L4096
 shapes with CUPTI per-kernel times, including the ragged [1, 2L] case, the bf16-P variant (split_p=False) and
-each of the three kernels forced (kernel="swapped" | "rows" | "seesaw"); the grid over every backend is scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version,
-commit).
+each of the three kernels forced (kernel="swapped" | "rows" | "seesaw"); the grid over every backend is
+scripts/bench_mla.py's. Prints a table last and writes JSON (device, jax version, commit).
 
   python scripts/check_mla_gpu.py --out bench/results/mla_mosaic_check.json [--timing] [--commit SHA]
   python scripts/check_mla_gpu.py --interpret --cases tiny      # CPU self-test of this script (slow, tiny)
@@ -64,9 +64,6 @@ def correctness_cases(kind: str):
       ("bf16 h128 ragged+0", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000)),
       ("bf16 h128 b48 many seqs/part", "bfloat16", 128, 1, ragged(48, 1500)),
       ("bf16 h64 sq2 causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700)),
-      # ... and the bf16 rows kernel, forced (auto's choice before the seesaw kernel was measured)
-      ("bf16 h128 ragged+0 rows", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "rows"),
-      ("bf16 h64 sq2 rows causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
       # fp8 through the rows kernel (auto's choice for fp8 where Sq*H is a multiple of 64), forced
       ("fp8 h64 ragged+0 rows", "fp8_e4m3", 64, 1, [0] + ragged(6, 900), "rows"),
       ("fp8 h128 ragged+0 rows", "fp8_e4m3", 128, 1, [0, 64, 65, 96] + ragged(5, 1000), "rows"),
@@ -89,8 +86,8 @@ def correctness_cases(kind: str):
        dict(prefetch_tiles=4)),
       ("fp8 h64 sq2 rows prefetch 1 causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "rows",
        dict(prefetch_tiles=1)),
-      # the opt-in seesaw kernel (bf16): P0 and Q's rope as register A operands and O in a whole-segment
-      # accumulator run only on a GPU; odd and even page counts per segment, many sequences per share
+      # the seesaw kernel, forced (bf16: also auto's choice above): P0 and Q's rope as register A operands and O in
+      # a whole-segment accumulator run only on a GPU; odd and even page counts per segment, many sequences a share
       ("bf16 h128 ragged+0 seesaw", "bfloat16", 128, 1, [0, 64, 65, 129] + ragged(5, 1000), "seesaw"),
       ("bf16 h128 b48 many seqs/part seesaw", "bfloat16", 128, 1, ragged(48, 1500), "seesaw"),
       ("bf16 h64 ragged+0 seesaw", "bfloat16", 64, 1, [0, 1] + ragged(6, 900), "seesaw"),
@@ -101,6 +98,9 @@ def correctness_cases(kind: str):
       ("fp8 h128 b48 many seqs/part seesaw", "fp8_e4m3", 128, 1, ragged(48, 1500), "seesaw"),
       ("fp8 h64 sq2 seesaw causal", "fp8_e4m3", 64, 2, [1, 2, 0] + ragged(4, 700), "seesaw"),
       ("fp8 h128 sq2 seesaw causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw"),
+      # the bf16 rows kernel, forced (auto's choice for bf16 before the seesaw kernel was measured)
+      ("bf16 h128 ragged+0 rows", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "rows"),
+      ("bf16 h64 sq2 rows causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
   ]
 
 

@@ -681,12 +681,13 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
   plan = mss.make_plan(sq * heads, num_sms=8, fp8=fp8)
   kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
-  assert "mosaic_gpu" in _lower_rows_for_sm90(plan, **kw)
+  lowered = _lower_rows_for_sm90(plan, **kw)
+  assert "mosaic_gpu" in lowered
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
   # early_p0 (warpgroup 0's P0 V0_L left in flight) is a GPU-only program: it lowers to a different kernel
   assert plan.early_p0 == (not fp8)                                    # the default: on for bf16, off for fp8
   other = mss.make_plan(sq * heads, num_sms=8, fp8=fp8, early_p0=fp8)
-  assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != _lower_rows_for_sm90(plan, **kw)
+  assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != lowered
 
 
 def test_seesaw_kernel_rejects_what_it_cannot_run():

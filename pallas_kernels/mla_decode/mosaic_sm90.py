@@ -583,7 +583,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
   (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS). early_p0: the seesaw kernel's warpgroup 0 hands P0
-  to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8).
+  to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache,
+  off for fp8).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

@@ -144,6 +144,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   causal_rows = bool(causal) and sq > 1
   dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
+  early_p0 = plan.early_p0 and on_gpu             # interpret mode completes every wgmma as it is issued
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
@@ -384,9 +385,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 p0 = jnp.exp2(s0 - lax.broadcast_in_dim(m0s, s0.shape, [0]))
                 l_mine = l_mine * alpha0 + p0.sum(axis=1)
                 zero_tail(0, 0, n0, z)
-                early = plan.early_p0 and on_gpu
-                acc = pv(rescale(acc, alpha0), p0.astype(dt), ring_lat.at[0 + z, 0], own=True, wait=not early)
-                if not early:
+                acc = pv(rescale(acc, alpha0), p0.astype(dt), ring_lat.at[0 + z, 0], own=True, wait=not early_p0)
+                if not early_p0:
                   plgpu.barrier_arrive(consumed_a0)                    # slot 0's part A is free
                 plgpu.barrier_wait(m1bar)
                 m1 = plgpu.load(stats.at[1], layout=row_layout, optimized=False)
@@ -395,7 +395,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 pbuf[0 + z] = (p0 * lax.broadcast_in_dim(alpha1, s0.shape, [0])).astype(dt)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p0bar)
-                if early:
+                if early_p0:
                   plgpu.wgmma_wait(0)                                  # P0 V0_L done: acc and part A free
                   plgpu.barrier_arrive(consumed_a0)
                 l_mine = l_mine * alpha1

@@ -101,6 +101,15 @@ def correctness_cases(kind: str):
       # the bf16 rows kernel, forced (auto's choice for bf16 before the seesaw kernel was measured)
       ("bf16 h128 ragged+0 rows", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "rows"),
       ("bf16 h64 sq2 rows causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
+      # the fp8 seesaw kernel with crossover: row groups paired in clusters of 2, each CTA's producer converting half
+      # of every page into both CTAs' rings (GPU only)
+      ("fp8 h128 ragged+0 seesaw crossover", "fp8_e4m3", 128, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "seesaw",
+       dict(crossover=True)),
+      ("fp8 h128 b48 many seqs/part seesaw crossover", "fp8_e4m3", 128, 1, ragged(48, 1500), "seesaw",
+       dict(crossover=True)),
+      ("fp8 h128 sq2 seesaw crossover causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw",
+       dict(crossover=True)),
+      ("fp8 h128 b2 L8192 seesaw crossover", "fp8_e4m3", 128, 1, [8192, 8000], "seesaw", dict(crossover=True)),
   ]
 
 
@@ -230,6 +239,19 @@ def timing_variants():
          dict(kernel="rows", num_parts=p)) for p in (32, 64, 128)),
       ("fp8_e4m3 h128 rows parts 64", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", num_parts=64)),
+      # the fp8 seesaw with crossover (each CTA of a row-group pair converts half of every page for both): the
+      # register splits its lighter producer allows, early_p0, ragged, Sq 2 and the V3 slice's batch 64
+      *((f"fp8_e4m3 h128 seesaw crossover regs {p}/{c}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", crossover=True, registers=dict(producer_registers=p, compute_registers=c)))
+        for p, c in ((72, 216), (56, 224), (40, 232))),
+      ("fp8_e4m3 h128 seesaw crossover early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", crossover=True, early_p0=True)),
+      ("fp8_e4m3 h128 seesaw crossover ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90",
+       dict(kernel="seesaw", crossover=True)),
+      ("fp8_e4m3 h128 sq2 seesaw crossover", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", crossover=True)),
+      ("fp8_e4m3 h128 b64 seesaw crossover", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", crossover=True)),
   ]
 
 

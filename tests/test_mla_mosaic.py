@@ -690,6 +690,32 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != lowered
 
 
+@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (128, 2, True)])
+def test_seesaw_crossover_lowers_for_sm90(heads, sq, causal):
+  """fp8 crossover (row groups paired in clusters of 2, each producer storing its token half of every page into the
+  peer's SMEM too): the GPU program lowers for sm90 with the same SMEM as without it (no buffer added) and differs
+  from it. Interpret mode cannot store into another CTA's SMEM: there crossover is the same program as without."""
+  from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
+  plan = mss.make_plan(sq * heads, num_sms=8, fp8=True, crossover=True)
+  kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
+  lowered = _lower_rows_for_sm90(plan, **kw)
+  assert "mosaic_gpu" in lowered
+  assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
+  assert lowered != _lower_rows_for_sm90(mss.make_plan(sq * heads, num_sms=8, fp8=True), **kw)
+  interp = lambda p: jax.make_jaxpr(mss.build_call(p, batch=4, sq=sq, heads=heads, causal=causal,
+                                                   softmax_scale=SCALE, num_pages=64, interpret=True))
+  s = jax.ShapeDtypeStruct
+  args = (s((4 * plan.groups, 64, 512), jnp.bfloat16), s((4 * plan.groups, 64, 64), jnp.bfloat16),
+          s((64, 64, 512), jnp.float8_e4m3fn), s((64, 64, 64), jnp.bfloat16), s((64, 64, 4), jnp.float32),
+          s((4, 8), jnp.int32), s((4,), jnp.int32), s((5,), jnp.int32), s((4, plan.num_parts), jnp.int32))
+  assert str(interp(plan)(*args)) == str(interp(mss.make_plan(sq * heads, num_sms=8, fp8=True))(*args))
+  # what it cannot pair: a bf16 cache (nothing to convert), an odd number of row groups
+  with pytest.raises(ValueError, match="even number of 64-row groups"):
+    mss.make_plan(128, num_sms=8, fp8=False, crossover=True)
+  with pytest.raises(ValueError, match="even number of 64-row groups"):
+    mss.make_plan(64, num_sms=8, fp8=True, crossover=True)
+
+
 def test_seesaw_kernel_rejects_what_it_cannot_run():
   q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=64, dtype="bfloat16")
   call = lambda **kw: ms.mla_decode(q, cache, table, lens, softmax_scale=SCALE, causal=False, interpret=True,
@@ -700,10 +726,12 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers and early_p0 apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers and early_p0 apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
     call(kernel="swapped", early_p0=True)
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+    call(kernel="rows", crossover=True)
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
            for k in ("rows", "seesaw")]

@@ -55,7 +55,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, scale_layout, scaled_f16, share_of_part,
-                                                    start_q_latent)
+                                                    split_vectors, start_q_latent)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -91,6 +91,11 @@ class Plan:
   # on for a bf16 cache (H100, b128 h128 L4096: kernel 285.9 -> 284.5 us, Sq 2 496.5 -> 486.5), off for fp8 (not
   # timed; 4 B more spilled there)
   early_p0: bool = False
+  # fp8, an even number of row groups: the CTAs of two row groups run as a cluster of 2 (they stream the same pages
+  # side by side anyway) and each one's producer converts only its token half of every page, storing it into its
+  # own ring and, through distributed SMEM, into its peer's (FlashMLA's crossover). GPU only: interpret mode cannot
+  # run a store into another CTA's SMEM, so there every CTA converts whole pages (the same values)
+  crossover: bool = False
 
   @property
   def n(self) -> int:
@@ -114,7 +119,8 @@ def smem_bytes() -> int:
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False, producer_registers: int | None = None,
-              compute_registers: int | None = None, early_p0: bool | None = None) -> Plan:
+              compute_registers: int | None = None, early_p0: bool | None = None,
+              crossover: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -129,8 +135,14 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
+  crossover = bool(crossover)
+  if crossover and not (fp8 and groups % 2 == 0):
+    raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
+                     f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
+                     f"{'fp8' if fp8 else 'bf16'}, {groups} groups for {rows} rows)")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
-              compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0))
+              compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
+              crossover=crossover)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -145,6 +157,14 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
   early_p0 = plan.early_p0 and on_gpu             # interpret mode completes every wgmma as it is issued
+  # crossover (fp8): CTA x of a cluster pair converts token half x of every page part and stores it into both CTAs'
+  # rings; a part's `loaded` then also counts the peer's two stores, and a part is free only when the consumers of
+  # both CTAs released it (cluster barriers: each release arrives in both CTAs)
+  xo = plan.crossover and on_gpu
+  n_cluster = 2 if xo else 1
+  peer_stores = 2 if xo else 0                    # [32 tok, 128] f16 tiles the peer stores into a part per page
+  release = ((lambda n: plgpu.ClusterBarrier(collective_axes=("x",), num_arrivals=n)) if xo
+             else (lambda n: plgpu.Barrier(num_arrivals=n)))
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
@@ -153,15 +173,16 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
       stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
       # latent [0, 256) of slot s landed (bf16: its TMA; fp8: the producer's stores)
-      loaded_a=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      # (crossover: + the peer's two tile stores, each counted with its bytes)
+      loaded_a=plgpu.Barrier(num_arrivals=1 + peer_stores, num_barriers=2),
       # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA)
-      loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      loaded_b=plgpu.Barrier(num_arrivals=2 + peer_stores, num_barriers=2),
       # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
-      consumed_a0=plgpu.Barrier(num_arrivals=1),
-      consumed_a1=plgpu.Barrier(num_arrivals=2),
+      consumed_a0=release(1),
+      consumed_a1=release(2),
       # part B free: slot 0 after [0]'s QK and [1]'s P0 V0_R; slot 1 after [1]'s P1 V1_R
-      consumed_b0=plgpu.Barrier(num_arrivals=2),
-      consumed_b1=plgpu.Barrier(num_arrivals=1),
+      consumed_b0=release(2),
+      consumed_b1=release(1),
       qbar=plgpu.Barrier(num_arrivals=2),    # Q's latent halves landed (bf16: 2 TMAs; fp8: each warpgroup's f16 half)
       m0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote m0
       m1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote m1
@@ -188,8 +209,16 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     own_p, qr_smem = r.get("own_p"), r.get("qr_smem")
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
-    grp = lax.axis_index("g")
+    # crossover: the pair (x = 0, 1) of a cluster are row groups 2 g and 2 g + 1 of the same share
+    cx = lax.axis_index("x") if xo else 0
+    grp = lax.axis_index("g") * n_cluster + cx
     b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
+
+    def wait_loaded(bar):
+      plgpu.barrier_wait(bar)
+      if xo:
+        # the peer's stores are generic-proxy writes into this CTA's SMEM: fence them for the wgmmas that read them
+        plgpu.commit_smem()
 
     # -------- warpgroup 2: the producer. Pair i of a segment: page lo + 2i -> slot 0, lo + 2i + 1 -> slot 1. ----
     @pl.when(wg == 2)
@@ -202,6 +231,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
         if fp8:
           tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
+        # (crossover: the wait is on both CTAs' readers, since this producer also writes into the peer's slot)
 
         @pl.when(used > 0)
         def _():
@@ -214,30 +244,43 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                                   ring_lat.at[slot, 1 if what == "b" else 0],
                                   (loaded_b if what == "b" else loaded_a).at[slot])
           return
-        store_f16(tiles, pg, slot, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
+        # 0 (used >= 0), but not a constant to the compiler: the store addresses depend on the pair, so they are
+        # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
+        # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
+        z = lax.shift_right_logical(used, 31)
+        store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
         plgpu.barrier_arrive((loaded_b if what == "b" else loaded_a).at[slot])
 
+      # token halves this producer converts: both, or (crossover) its own, cx
+      token_halves = (cx,) if xo else (0, 1)
+
       def fp8_tiles(pg, half):
-        """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (token half th,
-        column tile t), 8 bytes a thread each."""
-        return {(t, th): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
-                                    layout=dequant_layout(), optimized=False)
-                for t in (2 * half, 2 * half + 1) for th in (0, 1)}
+        """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (column tile
+        t, k-th token half this producer converts), 8 bytes a thread each."""
+        return {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
+                                   layout=dequant_layout(), optimized=False)
+                for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
 
       def store_f16(tiles, pg, slot, half, n_valid):
-        """e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half]; tokens past the length
-        of a partial last page -> 0 by select (they may hold NaN; only such a page pays the select)."""
+        """e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half] (crossover: also into the
+        peer's, arriving with the bytes on its loaded barrier); tokens past the length of a partial last page -> 0
+        by select (they may hold NaN; only such a page pays the select)."""
+        loaded = (loaded_b if half else loaded_a).at[slot]
+
         def convert(masked: bool):
-          for th in (0, 1):
+          for k, th in enumerate(token_halves):
             sc = plgpu.load(sc_ref.at[pg, pl.ds(th * TOK, TOK)], layout=scale_layout(), optimized=False)
             col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
             if masked:
               row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + th * TOK
               ok = (row4 < n_valid).astype(jnp.float32)
             for t in (2 * half, 2 * half + 1):
-              ring_lat[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = scaled_f16(
-                  tiles[t, th], sc, col4, t, ok if masked else None)
+              dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
+              x = scaled_f16(tiles[t, k], sc, col4, t, ok if masked else None)
+              dst[...] = x
+              if xo:
+                plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
 
         pl.when(n_valid >= PAGE)(lambda: convert(False))
         pl.when(n_valid < PAGE)(lambda: convert(True))
@@ -296,13 +339,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         comes: warpgroup 0 (slot 0) reads part A first, warpgroup 1 (slot 1) part B first (the producer's order)."""
         def qk(s_ref):
           def part_a():
-            plgpu.barrier_wait(loaded_a.at[slot])
+            wait_loaded(loaded_a.at[slot])
             for cc in range(HALF // CHUNK):
               plgpu.wgmma(s_ref, q_smem.at[0 + z, :, pl.ds(cc * CHUNK, CHUNK)],
                           ring_lat.at[slot + z, 0, :, pl.ds(cc * CHUNK, CHUNK)].T)
 
           def part_b():
-            plgpu.barrier_wait(loaded_b.at[slot])
+            wait_loaded(loaded_b.at[slot])
             for cc in range(HALF // CHUNK):
               plgpu.wgmma(s_ref, q_smem.at[1 + z, :, pl.ds(cc * CHUNK, CHUNK)],
                           ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)
@@ -403,7 +446,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 plgpu.barrier_wait(p1bar)
 
                 def p1_v1l(acc):
-                  plgpu.barrier_wait(loaded_a.at[1])
+                  wait_loaded(loaded_a.at[1])
                   zero_tail(1, 0, n1, z)    # after [1]'s QK (p1bar)
                   acc = pv(acc, pbuf.at[1 + z], ring_lat.at[1 + z, 0], own=False)
                   plgpu.barrier_arrive(consumed_a1)
@@ -446,7 +489,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 acc = lax.cond(has1, p1_v, lambda a: a, acc)
               if w == 1:
                 plgpu.barrier_wait(p0bar)
-                plgpu.barrier_wait(loaded_b.at[0])
+                wait_loaded(loaded_b.at[0])
                 zero_tail(0, 1, n0, z)      # after [0]'s QK (p0bar)
                 acc = pv(acc, pbuf.at[0 + z], ring_lat.at[0 + z, 1], own=False)
                 plgpu.barrier_arrive(consumed_b0)
@@ -490,9 +533,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
   out_type = (jax.ShapeDtypeStruct((entries * g_count, ROWS, LATENT_DIM), jnp.float32),
               jax.ShapeDtypeStruct((entries * g_count, ROWS), jnp.float32))
+  cluster = dict(cluster=(2,), cluster_names=("x",)) if xo else {}
   return plgpu.kernel(
-      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
-      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count // n_cluster, parts),
+      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg", **cluster,
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       interpret=interpret)

@@ -63,12 +63,40 @@ def produce_pages(*, b_first, b_last, seq_pages, bt_ref, lat_ref, rope_ref, sc_r
       plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
 
-def dequant_layout():
+def dequant_layout(vector: int = 8):
   """Register layout of a [32k tok, 128] tile in the dequant pass: 8 consecutive elements per thread (one 8-byte
   fp8 load, one 16-byte f16 store, both whole swizzle chunks) -- Mosaic's SMEM copy layout for 16-bit 64-wide
-  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions."""
-  return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
-                            lane_dims=(-3, -2), vector_dim=-1)
+  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions. vector=4: the same elements
+  per thread held as two 4-element vectors (64-bit f16 registers: what a store into a peer CTA's SMEM takes)."""
+  if vector == 8:
+    return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
+                              lane_dims=(-3, -2), vector_dim=-1)
+  if vector == 4:
+    return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,), (4,))), warp_dims=(-8,),
+                              lane_dims=(-4, -3), vector_dim=-1)
+  raise ValueError(f"dequant_layout: vector must be 8 or 4, got {vector}")
+
+
+def split_vectors(x):
+  """An f16 [32k, 128] array in dequant_layout(8) -> the same registers as dequant_layout(4): each 8-element (128-bit)
+  vector is read as two 4-element ones, no data moves (a store into a peer CTA's SMEM takes 32- or 64-bit
+  registers)."""
+  import numpy as np
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  @plgpu.inline_mgpu(arg_types=(dequant_layout(8),),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dequant_layout(4)))
+  def split(ctx, v):
+    del ctx
+    new_layout = dequant_layout(4).to_mgpu()
+    regs = np.empty(new_layout.registers_shape(v.shape), dtype=object)
+    for idx, reg in np.ndenumerate(v.registers):
+      for i in range(2):
+        regs[idx[:-1] + (i, idx[-1])] = mgpu_utils.vector_slice(reg, slice(4 * i, 4 * i + 4))
+    return mgpu.FragmentedArray(_registers=regs, _layout=new_layout, _is_signed=v.is_signed)
+
+  return split(x)
 
 
 def scale_layout():

@@ -708,12 +708,13 @@ def test_gather_rows_writes_only_valid_rows_and_lowers():
 
 def test_moe_defaults_rule():
   """The MoE's measured defaults: from 16 tokens on, producer conversion + fma fold (+ 2 planes per wgmma where a
-  group has two planes) + the row-copy kernel; below that the plain kernel. K splits aim at one unit per SM at
-  every size."""
+  group has two planes) + the row-copy kernel, and two sub-tiles a consumer with 8-row blocks; below that the plain
+  kernel. K splits aim at one unit per SM at every size."""
   one_wave = dict(target_programs=ms.MOE_TARGET_PROGRAMS)
   assert ms.moe_config(64, 1) == one_wave and ms.moe_config(128, 15) == one_wave
   assert ms.moe_config(64, 16) == dict(one_wave, convert_in_producer=True, fold="fma", planes_per_wgmma=2,
-                                       gather_kernel=True)
+                                       gather_kernel=True, sub_tiles=2)
+  assert ms.moe_config(64, 512, block_m=16)["sub_tiles"] == 1 and ms.moe_config(128, 64, block_m=8)["sub_tiles"] == 2
   assert ms.moe_config(128, 64)["planes_per_wgmma"] == 2 and ms.moe_config(32, 64)["planes_per_wgmma"] == 1
   assert set(ms.moe_config(64, 64)) <= set(ms.DEFAULT_CONFIG)
 

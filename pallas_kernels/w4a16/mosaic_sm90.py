@@ -163,18 +163,22 @@ DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
 MOE_TARGET_PROGRAMS = 132   # one CTA per SM: K splits only where the blocks' column tiles are fewer than that
 
 
-def moe_config(group: int, tokens: int) -> dict:
+def moe_config(group: int, tokens: int, block_m: int = 8) -> dict:
   """The MoE's defaults from 16 tokens on: the producer converts scales and zeros, the fold is one fma, two planes
   per wgmma where a group has two. H200, MoE E=256 D=7168 I=2048 top-8, same process (NOTES v9): g64 T = 16 / 64
   837 / 1,822 -> 820 / 1,772 µs (9845ab5); g128 T = 64 1,748 -> 1,742 (4d55308). Not below 16 tokens (T = 1:
   g64 +1%, g128 +3%) nor for dense linears (the extra group-sum pass: +5% at M = 1). At every size the K splits
   aim at one work unit per SM, not two: at T = 1 gate+up's 256 units then run unsplit, the SiLU product stays in
   the kernel and the partial-sum pass goes (g64 / g128 85.2 / 82.1 -> 82.0 / 79.5 µs, bb1e757, NOTES v10). From 16
-  tokens the rows are put in block order by gather_sm90 (gather_kernel; NOTES v13)."""
+  tokens the rows are put in block order by gather_sm90 (gather_kernel; NOTES v13). With 8-row blocks (up to ~64
+  tokens) each consumer owns two 64-column sub-tiles of a unit (sub_tiles 2; NOTES v18: sustained on an H200, T = 16
+  / 64 g64 916 / 1,899 -> 855 / 1,788 µs, g128 877 / 1,816 -> 833 / 1,715; T = 1 no gain, larger blocks not measured
+  for the MoE and slower for 16- and 64-row dense blocks on an H100)."""
   if tokens < 16:
     return dict(target_programs=MOE_TARGET_PROGRAMS)
   return dict(target_programs=MOE_TARGET_PROGRAMS, convert_in_producer=True, fold="fma",
-              planes_per_wgmma=2 if group >= 2 * PLANE else 1, gather_kernel=True)
+              planes_per_wgmma=2 if group >= 2 * PLANE else 1, gather_kernel=True,
+              sub_tiles=2 if block_m <= 8 else 1)
 
 # [32 word rows r, 64 columns n] int32, distributed so that the thread holding A element (n, r) of the wgmma A
 # operand W^T [64, 32] (WGMMA layout: warp n // 16, lane 4 (n % 8) + (r % 8) // 2, register (r // 8, (n % 16) // 8),
@@ -1086,7 +1090,7 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   bm = routing_.block_m
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
-                     config={**moe_config(w13.group_size, x.shape[0]), **(config or {})}, pair_row=routing_.pair_row)
+                     config={**moe_config(w13.group_size, x.shape[0], bm), **(config or {})}, pair_row=routing_.pair_row)
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
   # its K splits balance the grid (T = 1: 8 blocks x 56 tiles of 8 chunks run as 2 x 4 chunks) and are summed
@@ -1095,6 +1099,6 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   # kernels' counts array once (one ~1 µs kernel fewer per MoE call)
   y = grouped_matmul(h, w2, routing_.block_expert, routing_.row_token, routing_.row_weight,
                      block_m=bm, gated=False, weighted=False, out_dtype=jnp.float32, busy_blocks=busy_blocks,
-                     interpret=interpret, config={**moe_config(w2.group_size, x.shape[0]), **(config or {})},
+                     interpret=interpret, config={**moe_config(w2.group_size, x.shape[0], bm), **(config or {})},
                      x_in_block_order=True, keep_splits=True, pair_row=routing_.pair_row)
   return routing.combine(y[..., :w2.n], routing_, apply_weights=True)

@@ -252,6 +252,10 @@ def timing_variants():
        dict(kernel="seesaw", crossover=True)),
       ("fp8_e4m3 h128 b64 seesaw crossover", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", crossover=True)),
+      # the first exchange (st.async of 8 bytes, each completing its bytes on the peer's barrier): e0ec369's
+      # "crossover regs 72/216"
+      ("fp8_e4m3 h128 seesaw crossover st_async", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", crossover="st_async")),
   ]
 
 

@@ -83,19 +83,20 @@ def test_seesaw_kernel_other_p0_order_vs_float64(dtype, heads, sq, causal):
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
 
 
-@pytest.mark.parametrize("early_p0", [False, True])
+@pytest.mark.parametrize("exchange,early_p0", [("stores", False), ("stores", True), ("st_async", False)])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, LENS),                                  # one cluster pair a share
     (128, 2, True, LENS),                                   # 4 row groups: two pairs
     (128, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129]),   # many short sequences per share (odd last pages)
 ])
-def test_seesaw_crossover_vs_float64(early_p0, heads, sq, causal, lens):
+def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens):
   """fp8 seesaw with crossover: the two row groups' CTAs as a cluster, each producer converting its token half of
-  every page into both CTAs' rings (stores into the peer's SMEM, cluster-wide releases). Interpret mode cannot run
-  any of that, so this is its only check: zero / odd / page-boundary lengths on a NaN-poisoned cache."""
+  every page into both CTAs' rings (stores into the peer's SMEM, cluster-wide releases), by either exchange.
+  Interpret mode cannot run any of that, so this is its only check: zero / odd / page-boundary lengths on a
+  NaN-poisoned cache."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 31, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=True,
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=exchange,
                               early_p0=early_p0), c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)

@@ -690,13 +690,14 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != lowered
 
 
-@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (128, 2, True)])
-def test_seesaw_crossover_lowers_for_sm90(heads, sq, causal):
+@pytest.mark.parametrize("exchange,heads,sq,causal", [("stores", 128, 1, False), ("stores", 128, 2, True),
+                                                      ("st_async", 128, 1, False)])
+def test_seesaw_crossover_lowers_for_sm90(exchange, heads, sq, causal):
   """fp8 crossover (row groups paired in clusters of 2, each producer storing its token half of every page into the
   peer's SMEM too): the GPU program lowers for sm90 with the same SMEM as without it (no buffer added) and differs
   from it. Interpret mode cannot store into another CTA's SMEM: there crossover is the same program as without."""
   from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
-  plan = mss.make_plan(sq * heads, num_sms=8, fp8=True, crossover=True)
+  plan = mss.make_plan(sq * heads, num_sms=8, fp8=True, crossover=exchange)
   kw = dict(heads=heads, sq=sq, causal=causal, kernel="seesaw")
   lowered = _lower_rows_for_sm90(plan, **kw)
   assert "mosaic_gpu" in lowered

@@ -54,8 +54,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, scale_layout, scaled_f16, share_of_part,
-                                                    split_vectors, start_q_latent)
+from pallas_kernels.mla_decode.sm90_shared import (cluster_fence, dequant_layout, scale_layout, scaled_f16,
+                                                    share_of_part, split_vectors, start_q_latent, store_to_peer)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -70,6 +70,8 @@ _SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # barriers: loaded A/B x 2 slots, consumed A/B x 2 slots, qbar, the four hand-offs, lbar
 _NUM_BARRIERS = 14
 
+
+CROSSOVER_EXCHANGES = ("", "stores", "st_async")
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers.
@@ -93,9 +95,11 @@ class Plan:
   early_p0: bool = False
   # fp8, an even number of row groups: the CTAs of two row groups run as a cluster of 2 (they stream the same pages
   # side by side anyway) and each one's producer converts only its token half of every page, storing it into its
-  # own ring and, through distributed SMEM, into its peer's (FlashMLA's crossover). GPU only: interpret mode cannot
-  # run a store into another CTA's SMEM, so there every CTA converts whole pages (the same values)
-  crossover: bool = False
+  # own ring and, through distributed SMEM, into its peer's (FlashMLA's crossover). "" (off), "stores" (plain 16-byte
+  # stores into the peer, then one release a part: a cluster-wide arrival) or "st_async" (Mosaic's
+  # async_store_smem: 8-byte st.async whose bytes complete on the peer's barrier; 1.8x slower on an H200). GPU only:
+  # interpret mode cannot store into another CTA's SMEM, so there every CTA converts whole pages (the same values)
+  crossover: str = ""
 
   @property
   def n(self) -> int:
@@ -103,7 +107,7 @@ class Plan:
 
   @property
   def smem_bytes(self) -> int:
-    return smem_bytes()
+    return smem_bytes() + (16 if self.crossover == "stores" else 0)    # + the rope's own 2 barriers
 
 
 def smem_bytes() -> int:
@@ -135,7 +139,10 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  crossover = bool(crossover)
+  crossover = {None: "", False: "", True: "stores"}.get(crossover, crossover)
+  if crossover not in CROSSOVER_EXCHANGES:
+    raise ValueError(f"mosaic_sm90 seesaw kernel: crossover must be one of {CROSSOVER_EXCHANGES} or a bool, got "
+                     f"{crossover!r}")
   if crossover and not (fp8 and groups % 2 == 0):
     raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
                      f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
@@ -160,11 +167,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   # crossover (fp8): CTA x of a cluster pair converts token half x of every page part and stores it into both CTAs'
   # rings; a part's `loaded` then also counts the peer's two stores, and a part is free only when the consumers of
   # both CTAs released it (cluster barriers: each release arrives in both CTAs)
-  xo = plan.crossover and on_gpu
+  xo = bool(plan.crossover) and on_gpu
+  plain = xo and plan.crossover == "stores"
   n_cluster = 2 if xo else 1
-  peer_stores = 2 if xo else 0                    # [32 tok, 128] f16 tiles the peer stores into a part per page
-  release = ((lambda n: plgpu.ClusterBarrier(collective_axes=("x",), num_arrivals=n)) if xo
-             else (lambda n: plgpu.Barrier(num_arrivals=n)))
+  # st_async: the peer's two [32 tok, 128] f16 tile stores a part, each arriving with its bytes
+  peer_stores = 2 if xo and not plain else 0
+  cluster_barrier = lambda n, **kw: plgpu.ClusterBarrier(collective_axes=("x",), num_arrivals=n, **kw)
+  release = cluster_barrier if xo else (lambda n: plgpu.Barrier(num_arrivals=n))
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
@@ -174,9 +183,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
       # latent [0, 256) of slot s landed (bf16: its TMA; fp8: the producer's stores)
       # (crossover: + the peer's two tile stores, each counted with its bytes)
-      loaded_a=plgpu.Barrier(num_arrivals=1 + peer_stores, num_barriers=2),
-      # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA)
-      loaded_b=plgpu.Barrier(num_arrivals=2 + peer_stores, num_barriers=2),
+      # (stores: one cluster-wide arrival by each CTA's producer)
+      loaded_a=(cluster_barrier(1, num_barriers=2) if plain
+                else plgpu.Barrier(num_arrivals=1 + peer_stores, num_barriers=2)),
+      # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA; stores: the two
+      # producers' arrivals, the rope's TMA arriving on rope_loaded)
+      loaded_b=(cluster_barrier(1, num_barriers=2) if plain
+                else plgpu.Barrier(num_arrivals=2 + peer_stores, num_barriers=2)),
       # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
       consumed_a0=release(1),
       consumed_a1=release(2),
@@ -189,6 +202,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       p0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote P0 (and its QK is done)
       p1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote P1 (and its QK is done)
       lbar=plgpu.Barrier(num_arrivals=2))                                        # row sums written (segment done)
+  if plain:
+    scratch["rope_loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)     # part B's rope, by TMA
   if not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
     scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16)
@@ -214,8 +229,14 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     grp = lax.axis_index("g") * n_cluster + cx
     b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
-    def wait_loaded(bar):
+    rope_loaded = r.get("rope_loaded")
+
+    def wait_loaded(bar, rope_slot=None):
       plgpu.barrier_wait(bar)
+      if rope_slot is not None and plain:
+        plgpu.barrier_wait(rope_loaded.at[rope_slot])
+      if plain:
+        cluster_fence()                   # acquire the peer's stores (it fenced them before its arrival)
       if xo:
         # the peer's stores are generic-proxy writes into this CTA's SMEM: fence them for the wgmmas that read them
         plgpu.commit_smem()
@@ -238,7 +259,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           plgpu.barrier_wait(consumed[what, slot])
 
         if what == "b":
-          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded_b.at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], (rope_loaded if plain else loaded_b).at[slot])
         if not fp8:
           plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF if what == "b" else 0, HALF)],
                                   ring_lat.at[slot, 1 if what == "b" else 0],
@@ -249,6 +270,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
         z = lax.shift_right_logical(used, 31)
         store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
+        if plain:
+          cluster_fence()                   # this thread's stores into the peer before the arrival below
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
         plgpu.barrier_arrive((loaded_b if what == "b" else loaded_a).at[slot])
 
@@ -279,7 +302,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
               x = scaled_f16(tiles[t, k], sc, col4, t, ok if masked else None)
               dst[...] = x
-              if xo:
+              if plain:
+                store_to_peer(x, dst)
+              elif xo:
                 plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
 
         pl.when(n_valid >= PAGE)(lambda: convert(False))
@@ -345,7 +370,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                           ring_lat.at[slot + z, 0, :, pl.ds(cc * CHUNK, CHUNK)].T)
 
           def part_b():
-            wait_loaded(loaded_b.at[slot])
+            wait_loaded(loaded_b.at[slot], rope_slot=slot)
             for cc in range(HALF // CHUNK):
               plgpu.wgmma(s_ref, q_smem.at[1 + z, :, pl.ds(cc * CHUNK, CHUNK)],
                           ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)

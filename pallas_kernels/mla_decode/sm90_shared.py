@@ -99,6 +99,53 @@ def split_vectors(x):
   return split(x)
 
 
+_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def store_to_peer(x, dst):
+  """Plain 16-byte stores of x (f16, dequant_layout(8)) into the other CTA of a 2-CTA cluster (cluster axis x): the
+  same SMEM offsets as `dst` (a (8, 64)-tiled, 128-byte-swizzled f16 ref of this CTA) in the peer. Nothing waits
+  for them: the caller orders them before its release (cluster_fence, then an arrival on a ClusterBarrier). Mosaic's
+  store into a peer (plgpu.async_store_smem, st.async) takes at most 64-bit registers and completes every store's
+  bytes on the peer's mbarrier, which measured 1.8x slower on an H200 (NOTES.md)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  @plgpu.inline_mgpu(arg_types=(dequant_layout(8), plgpu.RefType(transforms=_SWZ16)), return_type=None)
+  def store(ctx, v, ref):
+    del ctx
+    index = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
+    peer = arith.subi(arith.constant(index, 1), gpu.cluster_block_id(gpu.Dimension.x))
+    peer_ref = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, peer, generic=False)
+    for get, _, _, ptr in mgpu.FragmentedArray.transfer_tiled(peer_ref, 128, v.layout, v.shape, True,
+                                                              ref_tiling_rank=2):
+      words = vector.bitcast(ir.VectorType.get((4,), i32), get(v.registers))
+      w = [vector.extract(words, [], [k]) for k in range(4)]
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, *w],
+                      "st.shared::cluster.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True)
+    return None
+
+  store(x, dst)
+
+
+def cluster_fence():
+  """fence.acq_rel.cluster: this thread's earlier stores into a peer CTA are ordered before its later release (and
+  its later reads after an acquire), at cluster scope."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+
+  @plgpu.inline_mgpu(arg_types=(), return_type=None)
+  def fence(ctx):
+    del ctx
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;", "", has_side_effects=True)
+    return None
+
+  fence()
+
+
 def scale_layout():
   """Register layout for a page's fp8 scales [32k tok, 4]: each thread holds the 4 scales of every row it owns
   in dequant_layout(), so `.sum(axis=1)` of a one-hot select is a per-row vector in dequant_layout().reduce(1)

@@ -1,4 +1,4 @@
-"""mosaic_sm90's seesaw kernel (opt-in `kernel="seesaw"`; Sq * H a multiple of 64, both caches): FlashMLA's schedule.
+"""mosaic_sm90's seesaw kernel (auto's for a bf16 cache; Sq * H a multiple of 64, both caches): FlashMLA's schedule.
 
 The rows kernel (mosaic_sm90_rows.py) runs each page in lockstep: both compute warpgroups take half its tokens'
 scores, swap row maxima, run the softmax and multiply P by their halves of V, so the tensor cores idle through
@@ -31,6 +31,12 @@ latency runs under the wait), converts them to f16 x the tile's power-of-two sca
 slot; the rope still comes by TMA. So the dequant runs beside the compute warpgroups' MMAs instead of in lockstep
 before them (the rows kernel's fp8 bound, NOTES.md), and it has registers for it: 72 a thread against 40 (the
 compute warpgroups get 216 instead of 232; `REGISTERS`). Q's latent part and P are f16, as in the rows kernel.
+
+fp8 crossover (opt-in `crossover`, an even number of row groups, GPU only): the two row groups of a split-KV share
+already stream the same pages side by side, so they run as a 2-CTA cluster and each CTA's producer converts only its
+token half of every page part, storing it into its own slot and, at the same offsets, into the peer's (plain 16-byte
+stores into the peer and one cluster-wide arrival a part, or Mosaic's st.async); a part is free only when the
+consumers of both CTAs released it (cluster barriers). NOTES.md has the measurements (st.async: 1.8x slower).
 
 Masks and NaN safety as in the rows kernel: table entries past a sequence's pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the V rows of a partial last page past the length are

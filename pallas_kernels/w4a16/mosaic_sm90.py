@@ -1090,7 +1090,8 @@ def moe(x, routing_: routing.Routing, w13: layout.W4A16Weight, w2: layout.W4A16W
   bm = routing_.block_m
   h = grouped_matmul(x, w13, routing_.block_expert, routing_.row_token, routing_.row_weight, block_m=bm,
                      gated=True, weighted=False, out_dtype=x.dtype, busy_blocks=busy_blocks, interpret=interpret,
-                     config={**moe_config(w13.group_size, x.shape[0], bm), **(config or {})}, pair_row=routing_.pair_row)
+                     config={**moe_config(w13.group_size, x.shape[0], bm), **(config or {})},
+                     pair_row=routing_.pair_row)
   # h is in block order already: the down projection reads its rows in place (no gather; 13 µs at T = 64 on an
   # H200 for the copy this replaces)
   # its K splits balance the grid (T = 1: 8 blocks x 56 tiles of 8 chunks run as 2 x 4 chunks) and are summed

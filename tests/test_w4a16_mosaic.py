@@ -509,7 +509,7 @@ def test_v3_shapes_lower_with_the_x_options(monkeypatch):
   bm = api.default_block_m(t, k, e, "mosaic_sm90")
   args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
           jax.ShapeDtypeStruct((t, k), jnp.float32), w13, w2)
-  for cfg in (dict(x_reuse=4), dict(sub_tiles=2)):
+  for cfg in (dict(x_reuse=4, sub_tiles=1), dict(sub_tiles=2)):    # (sub_tiles 2 is the default at these shapes)
     text = lower_for_cuda(lambda x, ids, wts, a, b: ms.moe(x, routing.align(ids, wts, e, bm), a, b, busy_blocks=e,
                                                            config=dict(cfg, num_ctas=132)), *args)
     assert "wgmma" in text

@@ -715,6 +715,8 @@ def test_seesaw_crossover_lowers_for_sm90(exchange, heads, sq, causal):
     mss.make_plan(128, num_sms=8, fp8=False, crossover=True)
   with pytest.raises(ValueError, match="even number of 64-row groups"):
     mss.make_plan(64, num_sms=8, fp8=True, crossover=True)
+  with pytest.raises(ValueError, match="crossover must be one of"):
+    mss.make_plan(128, num_sms=8, fp8=True, crossover="dsmem")
 
 
 def test_seesaw_kernel_rejects_what_it_cannot_run():

@@ -162,6 +162,14 @@ def run_correctness(kind: str, interpret: bool, default_kernel: str = "auto", gr
   return rows
 
 
+def fp8_seesaw_register_splits(label: str, splits, **kw):
+  """Timing variants "fp8_e4m3 h128 {label} regs p/c" (b128 L4096) of the fp8 seesaw kernel at these (producer,
+  compute) register splits, with kw for mosaic_sm90.mla_decode."""
+  return [(f"fp8_e4m3 h128 {label} regs {p}/{c}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+           dict(kernel="seesaw", registers=dict(producer_registers=p, compute_registers=c), **kw))
+          for p, c in splits]
+
+
 def timing_variants():
   """(name, dtype, heads, sq, batch, L, ragged, backend, kwargs for mosaic_sm90.mla_decode).
 
@@ -224,9 +232,7 @@ def timing_variants():
       ("bfloat16 h128 seesaw parts/2", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", num_parts=33)),
       # the fp8 producer's register split (producer, compute): more for the conversion or more for the softmax
-      *((f"fp8_e4m3 h128 seesaw regs {p}/{c}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="seesaw", registers=dict(producer_registers=p, compute_registers=c)))
-        for p, c in ((56, 224), (88, 208))),
+      *fp8_seesaw_register_splits("seesaw", ((56, 224), (88, 208))),
       # the rows kernel's loop-variant operand addresses (rebase_per_page; default on for fp8) against their absence
       ("fp8_e4m3 h128 rows no rebase", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", rebase_per_page=False)),
@@ -241,9 +247,7 @@ def timing_variants():
        dict(kernel="rows", num_parts=64)),
       # the fp8 seesaw with crossover (each CTA of a row-group pair converts half of every page for both): the
       # register splits its lighter producer allows, early_p0, ragged, Sq 2 and the V3 slice's batch 64
-      *((f"fp8_e4m3 h128 seesaw crossover regs {p}/{c}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="seesaw", crossover=True, registers=dict(producer_registers=p, compute_registers=c)))
-        for p, c in ((72, 216), (56, 224), (40, 232))),
+      *fp8_seesaw_register_splits("seesaw crossover", ((72, 216), (56, 224), (40, 232)), crossover=True),
       ("fp8_e4m3 h128 seesaw crossover early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", crossover=True, early_p0=True)),
       ("fp8_e4m3 h128 seesaw crossover ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90",

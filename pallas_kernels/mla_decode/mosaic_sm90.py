@@ -45,7 +45,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_shared import dequant_layout, produce_pages, scale_layout, share_of_part
+from pallas_kernels.mla_decode.sm90_shared import SWZ16, dequant_layout, produce_pages, scale_layout, share_of_part
 from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -54,7 +54,6 @@ CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
 SMEM_LIMIT = 227 * 1024       # dynamic SMEM per block on the H100/H200
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
 
@@ -229,22 +228,22 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
   # SMEM scratch, by name (the kernel receives them in this order after the operands)
   scratch = dict(
-      qn_smem=plgpu.SMEM((2, n, HALF), dt, transforms=_SWZ16),                     # Q latent, by half
-      qr_smem=plgpu.SMEM((n, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16))          # Q rope
+      qn_smem=plgpu.SMEM((2, n, HALF), dt, transforms=SWZ16),                     # Q latent, by half
+      qr_smem=plgpu.SMEM((n, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))          # Q rope
   if fp8:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
-        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),
+        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16),
         ring_sc=plgpu.SMEM((stages, PAGE, 4), jnp.float32))
     # the f16 page: each compute warpgroup dequantizes its half
-    scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=_SWZ16))
+    scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
   else:
     scratch.update(
-        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.bfloat16, transforms=_SWZ16),
-        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16))
+        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.bfloat16, transforms=SWZ16),
+        ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   scratch.update(
       sx=plgpu.SMEM((2, PAGE, n), jnp.float32),                                    # score swap
-      pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=_SWZ16),   # P [wg, hi|lo]
+      pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       loaded=plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),     # TMA copies of a page landed
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),                 # ring slot free again
       xbar=plgpu.Barrier(num_arrivals=2),                                          # scores written
@@ -573,7 +572,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
                registers: dict | None = None, early_p0: bool | None = None,
-               crossover: bool | None = None) -> tuple[jax.Array, jax.Array]:
+               crossover: bool | str | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -586,7 +585,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS). early_p0: the seesaw kernel's warpgroup 0 hands P0
   to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache,
   off for fp8). crossover: the seesaw kernel with an fp8 cache runs two row groups' CTAs as a cluster whose producers
-  each convert half of every page for both (mosaic_sm90_seesaw.Plan.crossover; None: off).
+  each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
+  off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

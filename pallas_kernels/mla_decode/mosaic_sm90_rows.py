@@ -65,7 +65,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, produce_pages, scale_layout, scaled_f16,
-                                                    share_of_part, start_q_latent)
+                                                    share_of_part, start_q_latent, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -75,7 +75,6 @@ CHUNK = 64                    # 64 16-bit elements = one 128-byte swizzle row
 SMEM_LIMIT = 227 * 1024
 LOG2E = 1.4426950408889634
 NUM_WARPGROUPS = 3
-_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _SWZ8 = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))      # fp8 [.., 256]: 128-byte rows
 FP8_TILE = 128                # latent columns per fp8 scale
 _SWZ_P = (plgpu.TilingTransform((8, TOK)), plgpu.SwizzleTransform(64))    # [64, 32] bf16: 64-byte rows
@@ -170,19 +169,19 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   held = fp8 and stages > 1
 
   # one list for the three paths (bf16; fp8 with 1 slot; fp8 with 2+ held slots), in one order
-  scratch = dict(q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16))      # Q latent (f16 for fp8), by half
+  scratch = dict(q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=SWZ16))      # Q latent (f16 for fp8), by half
   if not held:
-    scratch["qr_smem"] = plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)          # Q rope
+    scratch["qr_smem"] = plgpu.SMEM((ROWS, ROPE_DIM), jnp.bfloat16, transforms=SWZ16)          # Q rope
   scratch.update(
       ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn if fp8 else dt,
-                          transforms=_SWZ8 if fp8 else _SWZ16),
-      ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16))
+                          transforms=_SWZ8 if fp8 else SWZ16),
+      ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   if fp8:
     scratch.update(
         ring_sc=plgpu.SMEM((stages, PAGE, LATENT_DIM // FP8_TILE), jnp.float32),
-        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=_SWZ16))           # the dequantized page, by latent half
+        kbuf=plgpu.SMEM((2, PAGE, HALF), dt, transforms=SWZ16))           # the dequantized page, by latent half
   if fp8 and not held:
-    scratch["krope"] = plgpu.SMEM((PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)   # its rope (frees the slot early)
+    scratch["krope"] = plgpu.SMEM((PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16)   # its rope (frees the slot early)
   scratch.update(
       pbuf=plgpu.SMEM((ROWS, PAGE), dt),                                  # P; columns [32 w, +32) by warpgroup w
       mx=plgpu.SMEM((2, ROWS), jnp.float32),                              # per-page row maxima, by warpgroup
@@ -200,7 +199,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     scratch["kfree"] = plgpu.Barrier(num_arrivals=2)                      # both P.V done with kbuf (/ krope)
   if held and not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's copy of Q's rope goes through SMEM (as P)
-    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
+    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=SWZ16)
   names = list(scratch)
 
   def body(*refs):

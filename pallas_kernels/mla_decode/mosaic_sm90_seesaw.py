@@ -61,7 +61,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (cluster_fence, dequant_layout, scale_layout, scaled_f16,
-                                                    share_of_part, split_vectors, start_q_latent, store_to_peer)
+                                                    share_of_part, split_vectors, start_q_latent, store_to_peer, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -72,7 +72,6 @@ FP8_TILE = 128                # latent columns per fp8 scale
 SMEM_LIMIT = 227 * 1024
 LOG2E = 1.4426950408889634
 NUM_WARPGROUPS = 3
-_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # barriers: loaded A/B x 2 slots, consumed A/B x 2 slots, qbar, the four hand-offs, lbar
 _NUM_BARRIERS = 14
 
@@ -182,10 +181,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   release = cluster_barrier if xo else (lambda n: plgpu.Barrier(num_arrivals=n))
 
   scratch = dict(
-      q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=_SWZ16),                 # Q latent, by half
-      ring_lat=plgpu.SMEM((2, 2, PAGE, HALF), dt, transforms=_SWZ16),            # [slot, part A/B, tok, col]
-      ring_rope=plgpu.SMEM((2, PAGE, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16),  # part B's rope
-      pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
+      q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=SWZ16),                 # Q latent, by half
+      ring_lat=plgpu.SMEM((2, 2, PAGE, HALF), dt, transforms=SWZ16),            # [slot, part A/B, tok, col]
+      ring_rope=plgpu.SMEM((2, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16),  # part B's rope
+      pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
       stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
       # latent [0, 256) of slot s landed (bf16: its TMA; fp8: the producer's stores)
       # (crossover: + the peer's two tile stores, each counted with its bytes)
@@ -212,8 +211,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     scratch["rope_loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)     # part B's rope, by TMA
   if not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
-    scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=_SWZ16)
-    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=_SWZ16)
+    scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=SWZ16)
+    scratch["qr_smem"] = plgpu.SMEM((2, ROWS, ROPE_DIM), jnp.bfloat16, transforms=SWZ16)
   names = list(scratch)
 
   def body(*refs):
@@ -256,6 +255,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         """Part `what` of page j of sequence b into ring slot `slot`, once its readers of the previous pair are
         done (used: pairs that used the slot before)."""
         pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
+        loaded = (loaded_b if what == "b" else loaded_a).at[slot]
         if fp8:
           tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
         # (crossover: the wait is on both CTAs' readers, since this producer also writes into the peer's slot)
@@ -268,18 +268,17 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], (rope_loaded if plain else loaded_b).at[slot])
         if not fp8:
           plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF if what == "b" else 0, HALF)],
-                                  ring_lat.at[slot, 1 if what == "b" else 0],
-                                  (loaded_b if what == "b" else loaded_a).at[slot])
+                                  ring_lat.at[slot, 1 if what == "b" else 0], loaded)
           return
         # 0 (used >= 0), but not a constant to the compiler: the store addresses depend on the pair, so they are
         # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
         # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
         z = lax.shift_right_logical(used, 31)
-        store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
+        store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
         if plain:
           cluster_fence()                   # this thread's stores into the peer before the arrival below
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
-        plgpu.barrier_arrive((loaded_b if what == "b" else loaded_a).at[slot])
+        plgpu.barrier_arrive(loaded)
 
       # token halves this producer converts: both, or (crossover) its own, cx
       token_halves = (cx,) if xo else (0, 1)
@@ -291,11 +290,10 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                                    layout=dequant_layout(), optimized=False)
                 for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
 
-      def store_f16(tiles, pg, slot, half, n_valid):
+      def store_f16(tiles, pg, slot, half, n_valid, loaded):
         """e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half] (crossover: also into the
         peer's, arriving with the bytes on its loaded barrier); tokens past the length of a partial last page -> 0
         by select (they may hold NaN; only such a page pays the select)."""
-        loaded = (loaded_b if half else loaded_a).at[slot]
 
         def convert(masked: bool):
           for k, th in enumerate(token_halves):

@@ -1,17 +1,27 @@
-"""What the two mosaic_sm90 kernels (swapped: mosaic_sm90.py, rows: mosaic_sm90_rows.py) share.
+"""What the three mosaic_sm90 kernels (swapped: mosaic_sm90.py, rows: mosaic_sm90_rows.py, seesaw:
+mosaic_sm90_seesaw.py) share.
 
 - The split-KV share a CTA owns (`share_of_part`) and the producer warpgroup that streams its pages by TMA through the
   block table into the SMEM ring (`produce_pages`).
 - The register layouts for dequantizing an fp8 page (e4m3 -> f16 x tile scale). Both describe tiles whose row count
   is a multiple of 32: the swapped kernel dequantizes [64 tok, 128] tiles, the rows and seesaw kernels [32 tok, 128]
   tiles (`scaled_f16`), and the 64-row kernels' Q in f16 (`start_q_latent`).
+- The 16-bit SMEM tile transforms (`SWZ16`).
+- The seesaw kernel's crossover exchange between the two CTAs of a cluster: a converted tile into the peer's SMEM
+  (`store_to_peer`; `split_vectors` for Mosaic's st.async) and the cluster-scope fence that orders it
+  (`cluster_fence`).
 """
 from __future__ import annotations
 
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 
 def share_of_part(sched_ref, cu_ref, part):
@@ -81,10 +91,6 @@ def split_vectors(x):
   """An f16 [32k, 128] array in dequant_layout(8) -> the same registers as dequant_layout(4): each 8-element (128-bit)
   vector is read as two 4-element ones, no data moves (a store into a peer CTA's SMEM takes 32- or 64-bit
   registers)."""
-  import numpy as np
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
   @plgpu.inline_mgpu(arg_types=(dequant_layout(8),),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dequant_layout(4)))
   def split(ctx, v):
@@ -99,7 +105,8 @@ def split_vectors(x):
   return split(x)
 
 
-_SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# a 16-bit [.., 64k] SMEM tile in 128-byte swizzled rows: Q, the f16 / bf16 pages, P (every sm90 MLA kernel)
+SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def store_to_peer(x, dst):
@@ -108,12 +115,7 @@ def store_to_peer(x, dst):
   for them: the caller orders them before its release (cluster_fence, then an arrival on a ClusterBarrier). Mosaic's
   store into a peer (plgpu.async_store_smem, st.async) takes at most 64-bit registers and completes every store's
   bytes on the peer's mbarrier, which measured 1.8x slower on an H200 (NOTES.md)."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
-  from jax.experimental.mosaic import gpu as mgpu
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-  @plgpu.inline_mgpu(arg_types=(dequant_layout(8), plgpu.RefType(transforms=_SWZ16)), return_type=None)
+  @plgpu.inline_mgpu(arg_types=(dequant_layout(8), plgpu.RefType(transforms=SWZ16)), return_type=None)
   def store(ctx, v, ref):
     del ctx
     index = ir.IndexType.get()
@@ -134,9 +136,6 @@ def store_to_peer(x, dst):
 def cluster_fence():
   """fence.acq_rel.cluster: this thread's earlier stores into a peer CTA are ordered before its later release (and
   its later reads after an acquire), at cluster scope."""
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm
-
   @plgpu.inline_mgpu(arg_types=(), return_type=None)
   def fence(ctx):
     del ctx

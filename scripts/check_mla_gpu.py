@@ -110,6 +110,13 @@ def correctness_cases(kind: str):
       ("fp8 h128 sq2 seesaw crossover causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw",
        dict(crossover=True)),
       ("fp8 h128 b2 L8192 seesaw crossover", "fp8_e4m3", 128, 1, [8192, 8000], "seesaw", dict(crossover=True)),
+      # the seesaw producer's L2 prefetch of pages two pairs ahead (reads past each share's end are clipped)
+      ("fp8 h128 ragged+0 seesaw l2_prefetch", "fp8_e4m3", 128, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "seesaw",
+       dict(l2_prefetch=2)),
+      ("fp8 h128 sq2 seesaw l2_prefetch causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw",
+       dict(l2_prefetch=2)),
+      ("bf16 h128 ragged+0 seesaw l2_prefetch", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "seesaw",
+       dict(l2_prefetch=1)),
   ]
 
 
@@ -260,6 +267,24 @@ def timing_variants():
       # "crossover regs 72/216"
       ("fp8_e4m3 h128 seesaw crossover st_async", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", crossover="st_async")),
+      # the seesaw producer's L2 prefetch, 1 to 3 page pairs ahead (ncu at 14ec995: the fp8 producer waits on its
+      # GMEM loads while the compute warpgroups wait on it)
+      *((f"fp8_e4m3 h128 seesaw l2_prefetch {a}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", l2_prefetch=a)) for a in (1, 2, 3)),
+      ("fp8_e4m3 h128 seesaw l2_prefetch 2 ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=2)),
+      ("fp8_e4m3 h128 sq2 seesaw l2_prefetch 2", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=2)),
+      ("fp8_e4m3 h128 b64 seesaw l2_prefetch 2", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=2)),
+      ("fp8_e4m3 h128 seesaw early_p0 l2_prefetch 2", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=2, early_p0=True)),
+      ("fp8_e4m3 h128 seesaw crossover l2_prefetch 2", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", crossover=True, l2_prefetch=2)),
+      *((f"bfloat16 h128 seesaw l2_prefetch {a}", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", l2_prefetch=a)) for a in (1, 2)),
+      ("bfloat16 h128 sq2 seesaw l2_prefetch 1", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=1)),
   ]
 
 

@@ -83,6 +83,23 @@ def test_seesaw_kernel_other_p0_order_vs_float64(dtype, heads, sq, causal):
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
 
 
+@pytest.mark.parametrize("dtype,ahead,crossover", [("fp8_e4m3", 2, None), ("fp8_e4m3", 4, None),
+                                                  ("fp8_e4m3", 2, "stores"), ("bfloat16", 1, None)])
+@pytest.mark.parametrize("heads,sq,causal,lens", [
+    (128, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129]),   # many short sequences a share: reads past each end
+    (128, 2, True, LENS),
+])
+def test_seesaw_l2_prefetch_vs_float64(dtype, ahead, crossover, heads, sq, causal, lens):
+  """The seesaw producer's L2 prefetch (TMA prefetches of the pages `ahead` pairs on): a hint that must not change
+  a result or fault, on zero / odd / page-boundary lengths and a NaN-poisoned cache."""
+  from pallas_kernels.mla_decode import mosaic_sm90
+  q, cache, table, lens_a = random_problem(heads + sq + ahead, lens=lens, sq=sq, heads=heads, dtype=dtype)
+  out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=crossover,
+                              l2_prefetch=ahead), c, t, n))(q, cache, table, lens_a)
+  assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
+
+
 @pytest.mark.parametrize("exchange,early_p0", [("stores", False), ("stores", True), ("st_async", False)])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, LENS),                                  # one cluster pair a share

@@ -690,6 +690,40 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != lowered
 
 
+@pytest.mark.parametrize("dtype,heads,lens,parts,ahead", [
+    ("fp8_e4m3", 64, [70, 0, 5, 64, 129, 1, 190], 1, 2),   # one share over 7 sequences: reads ahead past each end
+    ("fp8_e4m3", 128, [130, 1, 64, 200], 2, 4),            # ahead of the longest share: only table reads, clipped
+    ("bfloat16", 64, [70, 0, 5, 37, 128], 3, 1),
+])
+def test_seesaw_l2_prefetch_interpret(dtype, heads, lens, parts, ahead):
+  """l2_prefetch (the producer's L2 prefetch of pages a few pairs ahead): interpret mode runs its table reads and
+  conditions (the prefetches are no-ops there) on NaN-poisoned caches whose unused table entries are out of range;
+  the result matches the float64 reference."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + ahead, lens=lens, sq=1, heads=heads, dtype=dtype)
+  out, lse = run_kernel(q, cache, table, lens_a, False, interpret=True, num_parts=parts, kernel="seesaw",
+                        l2_prefetch=ahead)
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, False)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
+  assert res["ok"], res
+
+
+@pytest.mark.parametrize("fp8,crossover", [(False, None), (True, None), (True, "stores")])
+def test_seesaw_l2_prefetch_lowers_for_sm90(fp8, crossover):
+  """The prefetching producer lowers for sm90 with the same SMEM (a prefetch takes no buffer and no barrier), to a
+  program with the TMA unit's L2 prefetch in it that differs from the one without; out-of-range values refused."""
+  from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
+  kw = dict(heads=128, sq=1, causal=False, kernel="seesaw")
+  plan = mss.make_plan(128, num_sms=8, fp8=fp8, crossover=crossover, l2_prefetch=2)
+  lowered = _lower_rows_for_sm90(plan, **kw)
+  assert "cp.async.bulk.prefetch.tensor" in lowered
+  assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
+  without = _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=fp8, crossover=crossover), **kw)
+  assert "cp.async.bulk.prefetch.tensor" not in without
+  for bad in (-1, mss.MAX_L2_PREFETCH + 1, True, 1.5):
+    with pytest.raises(ValueError, match="l2_prefetch is a number of page pairs"):
+      mss.make_plan(128, num_sms=8, fp8=fp8, l2_prefetch=bad)
+
+
 @pytest.mark.parametrize("exchange,heads,sq,causal", [("stores", 128, 1, False), ("stores", 128, 2, True),
                                                       ("st_async", 128, 1, False)])
 def test_seesaw_crossover_lowers_for_sm90(exchange, heads, sq, causal):
@@ -729,11 +763,11 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
     call(kernel="rows", crossover=True)
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

@@ -572,7 +572,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
                registers: dict | None = None, early_p0: bool | None = None,
-               crossover: bool | str | None = None) -> tuple[jax.Array, jax.Array]:
+               crossover: bool | str | None = None,
+               l2_prefetch: int | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -586,7 +587,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache,
   off for fp8). crossover: the seesaw kernel with an fp8 cache runs two row groups' CTAs as a cluster whose producers
   each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
-  off).
+  off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
+  None: its default).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -605,9 +607,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                        "/ split_p are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            kernel="seesaw", early_p0=early_p0, crossover=crossover, **(registers or {}))
-  if registers is not None or early_p0 is not None or crossover is not None:
-    raise ValueError("mosaic_sm90: registers, early_p0 and crossover apply to the seesaw kernel (kernel='seesaw')")
+                            kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
+                            **(registers or {}))
+  if registers is not None or early_p0 is not None or crossover is not None or l2_prefetch is not None:
+    raise ValueError("mosaic_sm90: registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel "
+                     "(kernel='seesaw')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "

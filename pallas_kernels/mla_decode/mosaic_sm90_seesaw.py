@@ -77,6 +77,8 @@ _NUM_BARRIERS = 14
 
 
 CROSSOVER_EXCHANGES = ("", "stores", "st_async")
+# l2_prefetch's limit: 4 pairs of bf16 pages a CTA ahead is ~78 MB over 132 SMs, above the 50 MB L2
+MAX_L2_PREFETCH = 4
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers.
@@ -105,6 +107,11 @@ class Plan:
   # async_store_smem: 8-byte st.async whose bytes complete on the peer's barrier; 1.8x slower on an H200). GPU only:
   # interpret mode cannot store into another CTA's SMEM, so there every CTA converts whole pages (the same values)
   crossover: str = ""
+  # pairs of pages ahead of the one it fills that the producer asks the TMA unit to bring into L2 (0: off). The fp8
+  # producer reads each page part from GMEM into registers, and on an H100 (ncu, 14ec995) it spent its time waiting
+  # for those loads and the block table's entry in front of them, one part after another, while the compute
+  # warpgroups waited for it; a page already in L2 shortens each wait
+  l2_prefetch: int = 0
 
   @property
   def n(self) -> int:
@@ -129,7 +136,7 @@ def smem_bytes() -> int:
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False, producer_registers: int | None = None,
               compute_registers: int | None = None, early_p0: bool | None = None,
-              crossover: bool | None = None) -> Plan:
+              crossover: bool | None = None, l2_prefetch: int | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -152,9 +159,13 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
     raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
                      f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
                      f"{'fp8' if fp8 else 'bf16'}, {groups} groups for {rows} rows)")
+  l2_prefetch = 0 if l2_prefetch is None else l2_prefetch
+  if not isinstance(l2_prefetch, int) or isinstance(l2_prefetch, bool) or not 0 <= l2_prefetch <= MAX_L2_PREFETCH:
+    raise ValueError(f"mosaic_sm90 seesaw kernel: l2_prefetch is a number of page pairs in [0, {MAX_L2_PREFETCH}] "
+                     f"(0: off), got {l2_prefetch!r}")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
-              crossover=crossover)
+              crossover=crossover, l2_prefetch=l2_prefetch)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -282,6 +293,23 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
       # token halves this producer converts: both, or (crossover) its own, cx
       token_halves = (cx,) if xo else (0, 1)
+      tok0, n_tok = (cx * TOK, TOK) if xo else (0, PAGE)
+
+      def page_id(b, j):
+        """Page j of sequence b's pool index (j clipped into the table, the page into the pool: a read ahead past
+        the sequence's end cannot fault; such a page is never prefetched)."""
+        return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
+
+      def prefetch(pg, j, hi):
+        """Page pg (page j of a sequence with hi pages) into L2 by TMA: the parts this producer reads, the rope and
+        (fp8) the scales. A hint: no barrier, nothing waits for it; interpret mode skips it."""
+        @pl.when(j < hi)
+        def _():
+          for h in (0, 1):
+            plgpu.async_prefetch(lat_ref.at[pg, pl.ds(tok0, n_tok), pl.ds(h * HALF, HALF)])
+          plgpu.async_prefetch(rope_ref.at[pg])
+          if fp8:
+            plgpu.async_prefetch(sc_ref.at[pg])
 
       def fp8_tiles(pg, half):
         """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (column tile
@@ -314,15 +342,27 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         pl.when(n_valid >= PAGE)(lambda: convert(False))
         pl.when(n_valid < PAGE)(lambda: convert(True))
 
+      ahead = plan.l2_prefetch          # interpret mode: the table reads run, the prefetches are no-ops
+
       def seg(b, counts):
         lo, hi = seq_pages(b)
+        for j in range(2 * ahead):       # the segment's first pairs, before its first page is read
+          prefetch(page_id(b, lo + j), lo + j, hi)
 
         def pair(i, counts):
           n0, n1 = counts                  # pairs that used slot 0 / slot 1 so far
           j0 = lo + 2 * i
           has1 = j0 + 1 < hi
+          if ahead:
+            # the table reads for the pages `ahead` pairs on go first; their prefetch waits until part A is
+            # stored, so the reads' latency passes under that work
+            jp = j0 + 2 * ahead
+            pgs = (page_id(b, jp), page_id(b, jp + 1))
           # in the order the previous pair frees them: A0 ([0] mid-pair), B1 ([1] mid-pair), A1, B0 (pair ends)
           load(b, j0, 0, "a", n0)
+          if ahead:
+            prefetch(pgs[0], jp, hi)
+            prefetch(pgs[1], jp + 1, hi)
           pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1))
           pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1))
           load(b, j0, 0, "b", n0)

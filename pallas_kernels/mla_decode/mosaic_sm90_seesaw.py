@@ -262,10 +262,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     def _producer():
       plgpu.set_max_registers(plan.producer_registers, action="decrease")
 
-      def load(b, j, slot, what, used):
-        """Part `what` of page j of sequence b into ring slot `slot`, once its readers of the previous pair are
-        done (used: pairs that used the slot before)."""
-        pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)       # a bad entry cannot fault (the api NaNs that row)
+      def load(b, j, slot, what, used, pg=None):
+        """Part `what` of page j of sequence b (pool page pg when it was read ahead) into ring slot `slot`, once its
+        readers of the previous pair are done (used: pairs that used the slot before)."""
+        if pg is None:
+          pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)     # a bad entry cannot fault (the api NaNs that row)
         loaded = (loaded_b if what == "b" else loaded_a).at[slot]
         if fp8:
           tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
@@ -346,29 +347,35 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
       def seg(b, counts):
         lo, hi = seq_pages(b)
-        for j in range(2 * ahead):       # the segment's first pairs, before its first page is read
-          prefetch(page_id(b, lo + j), lo + j, hi)
+        # with l2_prefetch: the pool pages of the next `ahead` pairs, read from the table and prefetched before
+        # they are loaded; a pair takes its own two from the front, so no load waits on a table read
+        queue = tuple(page_id(b, lo + j) for j in range(2 * ahead))
+        for j, pg in enumerate(queue):   # the segment's first pairs, before its first page is read
+          prefetch(pg, lo + j, hi)
 
-        def pair(i, counts):
-          n0, n1 = counts                  # pairs that used slot 0 / slot 1 so far
+        def pair(i, carry):
+          n0, n1, queue = carry            # pairs that used slot 0 / slot 1 so far; the pages read ahead
           j0 = lo + 2 * i
           has1 = j0 + 1 < hi
+          pg0, pg1 = queue[:2] if ahead else (None, None)
           if ahead:
             # the table reads for the pages `ahead` pairs on go first; their prefetch waits until part A is
             # stored, so the reads' latency passes under that work
             jp = j0 + 2 * ahead
-            pgs = (page_id(b, jp), page_id(b, jp + 1))
+            new = (page_id(b, jp), page_id(b, jp + 1))
           # in the order the previous pair frees them: A0 ([0] mid-pair), B1 ([1] mid-pair), A1, B0 (pair ends)
-          load(b, j0, 0, "a", n0)
+          load(b, j0, 0, "a", n0, pg0)
           if ahead:
-            prefetch(pgs[0], jp, hi)
-            prefetch(pgs[1], jp + 1, hi)
-          pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1))
-          pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1))
-          load(b, j0, 0, "b", n0)
-          return n0 + 1, n1 + has1.astype(jnp.int32)
+            prefetch(new[0], jp, hi)
+            prefetch(new[1], jp + 1, hi)
+            queue = queue[2:] + new
+          pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1, pg1))
+          pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1, pg1))
+          load(b, j0, 0, "b", n0, pg0)
+          return n0 + 1, n1 + has1.astype(jnp.int32), queue
 
-        return lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, counts)
+        n0, n1, _ = lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, (*counts, queue))
+        return n0, n1
 
       n0, n1 = lax.fori_loop(b_first, b_last + 1, seg, (jnp.int32(0), jnp.int32(0)))
       # observe the last releases too, so no barrier phase is left pending at exit

@@ -81,8 +81,10 @@ CROSSOVER_EXCHANGES = ("", "stores", "st_async")
 MAX_L2_PREFETCH = 4
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
-# sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers.
-REGISTERS = {False: (40, 232), True: (72, 216)}
+# sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
+# and holds its tiles and scales across the wait: 88 / 208 (an H100 timed it equal to 72 / 216 at 095a11f; ptxas
+# since the scales load with the tiles: 0 B of spills against 4 / 8 B at 72 / 216).
+REGISTERS = {False: (40, 232), True: (88, 208)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,25 +310,33 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         def _():
           for h in (0, 1):
             plgpu.async_prefetch(lat_ref.at[pg, pl.ds(tok0, n_tok), pl.ds(h * HALF, HALF)])
-          plgpu.async_prefetch(rope_ref.at[pg])
           if fp8:
             plgpu.async_prefetch(sc_ref.at[pg])
+          else:
+            plgpu.async_prefetch(rope_ref.at[pg])   # (fp8: the rope's TMA has the part's conversion time to land)
 
       def fp8_tiles(pg, half):
         """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (column tile
         t, k-th token half this producer converts), 8 bytes a thread each."""
-        return {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
-                                   layout=dequant_layout(), optimized=False)
-                for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
+        tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
+                                    layout=dequant_layout(), optimized=False)
+                 for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
+        # the scales with the tiles: loaded after the wait they were a second GMEM round trip in every part's
+        # chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)
+        scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * TOK, TOK)], layout=scale_layout(), optimized=False)
+                  for k, th in enumerate(token_halves)}
+        return tiles, scales
 
       def store_f16(tiles, pg, slot, half, n_valid, loaded):
-        """e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half] (crossover: also into the
+        """tiles: fp8_tiles' (tiles, scales). e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half] (crossover: also into the
         peer's, arriving with the bytes on its loaded barrier); tokens past the length of a partial last page -> 0
         by select (they may hold NaN; only such a page pays the select)."""
 
+        tiles, scales = tiles
+
         def convert(masked: bool):
           for k, th in enumerate(token_halves):
-            sc = plgpu.load(sc_ref.at[pg, pl.ds(th * TOK, TOK)], layout=scale_layout(), optimized=False)
+            sc = scales[k]
             col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
             if masked:
               row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + th * TOK

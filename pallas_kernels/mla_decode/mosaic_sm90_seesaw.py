@@ -304,8 +304,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
 
       def prefetch(pg, j, hi):
-        """Page pg (page j of a sequence with hi pages) into L2 by TMA: the parts this producer reads, the rope and
-        (fp8) the scales. A hint: no barrier, nothing waits for it; interpret mode skips it."""
+        """Page pg (page j of a sequence with hi pages) into L2 by TMA: the latent rows this producer reads and the
+        fp8 scales, or (bf16) the rope. A hint: no barrier, nothing waits for it; interpret mode skips it."""
         @pl.when(j < hi)
         def _():
           for h in (0, 1):
@@ -328,10 +328,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         return tiles, scales
 
       def store_f16(tiles, pg, slot, half, n_valid, loaded):
-        """tiles: fp8_tiles' (tiles, scales). e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot, half] (crossover: also into the
-        peer's, arriving with the bytes on its loaded barrier); tokens past the length of a partial last page -> 0
-        by select (they may hold NaN; only such a page pays the select)."""
-
+        """fp8_tiles' (tiles, scales): e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot,
+        half] (crossover: also into the peer's, arriving with the bytes on its loaded barrier); tokens past the
+        length of a partial last page -> 0 by select (they may hold NaN; only such a page pays the select)."""
         tiles, scales = tiles
 
         def convert(masked: bool):

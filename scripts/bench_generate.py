@@ -25,12 +25,15 @@ Two modes (run one or both in one call):
       attention weights (AWQ resident bytes of q_a/q_b/kv_a/o and the bf16 absorbed W_UK/W_UV; kv_b is not read
       by decode), dense MLPs, router + shared experts, the routed experts the batch touches (expected number of
       distinct experts under uniform routing: E·(1-(1-K/E)^B)), lm_head (bf16), norms; cache: B·context·656 B per
-      layer. --v3-scale tiny shrinks the dims (CPU smoke test of the same code path).
+      layer. --v3-scale tiny shrinks the dims (CPU smoke test of the same code path). --mosaic-options gives
+      every mosaic_sm90.mla_decode call of the run keyword arguments: a candidate attention default measured in
+      the whole step, against a run without them.
 
     python scripts/bench_generate.py --batch-sizes 1,2,4,8,16,32,64 --out bench/results/generate_h200.json
     python scripts/bench_generate.py --batch-sizes 1,8,64 --decode-modes plain,fused,overlap,multistep,default \
         --profile --out bench/results/generate_modes_h200.json
     python scripts/bench_generate.py --v3-slice --backends auto,triton,xla --out bench/results/generate_v3_slice_h200.json
+    python scripts/bench_generate.py --v3-slice --mosaic-options '{"kernel": "seesaw", "l2_prefetch": 2}'
 
 Every figure in the JSON carries the device, jax version, git commit, shapes and dtypes.
 """
@@ -307,6 +310,28 @@ def back_to_back_ms(call, caches, iters: int, warmup: int, windows: int = 1) -> 
     return out
 
 
+def apply_mosaic_options(options_json: str | None) -> dict:
+    """--mosaic-options: every mosaic_sm90.mla_decode call in this process, the model's layers included, gets these
+    keyword arguments (e.g. {"kernel": "seesaw", "l2_prefetch": 2}): a candidate default measured in the whole
+    decode step, against a run without them, before it becomes one. Returns them (recorded in the JSON)."""
+    if not options_json:
+        return {}
+    import functools
+    import inspect
+    from pallas_kernels.mla_decode import mosaic_sm90
+    options = json.loads(options_json)
+    known = set(inspect.signature(mosaic_sm90.mla_decode).parameters) - {"q", "cache", "block_table", "seq_lens",
+                                                                          "softmax_scale", "causal", "interpret",
+                                                                          "schedule"}
+    if not isinstance(options, dict) or set(options) - known:
+        raise SystemExit(f"--mosaic-options takes a JSON object of mosaic_sm90.mla_decode keyword arguments "
+                         f"{sorted(known)}; got {options_json!r}")
+    mosaic_sm90.mla_decode = functools.wraps(mosaic_sm90.mla_decode)(
+        functools.partial(mosaic_sm90.mla_decode, **options))
+    print(f"  mosaic_sm90.mla_decode options for this run: {options}", flush=True)
+    return options
+
+
 def bench_v3_slice(args, info) -> dict:
     from flax import nnx
 
@@ -324,7 +349,8 @@ def bench_v3_slice(args, info) -> dict:
     out = dict(mode="v3_slice", scale=args.v3_scale, layers=cfg.num_hidden_layers,
                dense_layers=args.v3_dense_layers, batch=B, context=L, page_size=ps, dtype="bfloat16",
                kv_cache_dtype=cache_dtype, awq_group_size=cfg.quantization.group_size,
-               config={k: getattr(cfg, k) for k in V3_DIMS}, info=info, backends=[])
+               config={k: getattr(cfg, k) for k in V3_DIMS}, info=info, backends=[],
+               mosaic_options=apply_mosaic_options(args.mosaic_options))
 
     t = time.perf_counter()
     model = DeepseekV3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -569,6 +595,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--backends", default="auto", help="comma-separated mla_decode backends for --v3-slice")
+    ap.add_argument("--mosaic-options", default=None, metavar="JSON",
+                    help="--v3-slice: keyword arguments for every mosaic_sm90.mla_decode call of the run, e.g. "
+                         "'{\"kernel\": \"seesaw\", \"l2_prefetch\": 2}' (a candidate default, measured in the step)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--windows", type=int, default=5,

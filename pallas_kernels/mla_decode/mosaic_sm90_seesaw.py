@@ -60,8 +60,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (cluster_fence, dequant_layout, scale_layout, scaled_f16,
-                                                    share_of_part, split_vectors, start_q_latent, store_to_peer, SWZ16)
+from pallas_kernels.mla_decode.sm90_shared import (cluster_fence, convert_fp8_part, load_fp8_part, share_of_part,
+                                                    split_vectors, start_q_latent, store_to_peer, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -316,41 +316,23 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.async_prefetch(rope_ref.at[pg])   # (fp8: the rope's TMA has the part's conversion time to land)
 
       def fp8_tiles(pg, half):
-        """The e4m3 tiles of latent half `half` of page pg, straight from GMEM: [32 tok, 128] units (column tile
-        t, k-th token half this producer converts), 8 bytes a thread each."""
-        tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * TOK, TOK), pl.ds(t * FP8_TILE, FP8_TILE)],
-                                    layout=dequant_layout(), optimized=False)
-                 for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
-        # the scales with the tiles: loaded after the wait they were a second GMEM round trip in every part's
-        # chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)
-        scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * TOK, TOK)], layout=scale_layout(), optimized=False)
-                  for k, th in enumerate(token_halves)}
-        return tiles, scales
+        """The e4m3 tiles and scales of latent half `half` of page pg (the token halves this producer converts).
+        The scales load with the tiles: loaded after the wait they were a second GMEM round trip in every part's
+        chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)."""
+        return load_fp8_part(lat_ref, sc_ref, pg, half, token_halves)
 
-      def store_f16(tiles, pg, slot, half, n_valid, loaded):
-        """fp8_tiles' (tiles, scales): e4m3 -> f16 x the tile's power-of-two scale (exact) into ring_lat[slot,
-        half] (crossover: also into the peer's, arriving with the bytes on its loaded barrier); tokens past the
-        length of a partial last page -> 0 by select (they may hold NaN; only such a page pays the select)."""
-        tiles, scales = tiles
+      def store_f16(part, pg, slot, half, n_valid, loaded):
+        """The converted part into ring_lat[slot, half] (crossover: also into the peer's, arriving with the bytes on
+        its loaded barrier)."""
+        def store(x, t, th):
+          dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
+          dst[...] = x
+          if plain:
+            store_to_peer(x, dst)
+          elif xo:
+            plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
 
-        def convert(masked: bool):
-          for k, th in enumerate(token_halves):
-            sc = scales[k]
-            col4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 1, layout=scale_layout())
-            if masked:
-              row4 = plgpu.broadcasted_iota(jnp.int32, (TOK, 4), 0, layout=scale_layout()) + th * TOK
-              ok = (row4 < n_valid).astype(jnp.float32)
-            for t in (2 * half, 2 * half + 1):
-              dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
-              x = scaled_f16(tiles[t, k], sc, col4, t, ok if masked else None)
-              dst[...] = x
-              if plain:
-                store_to_peer(x, dst)
-              elif xo:
-                plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
-
-        pl.when(n_valid >= PAGE)(lambda: convert(False))
-        pl.when(n_valid < PAGE)(lambda: convert(True))
+        convert_fp8_part(part, half, n_valid, store, token_halves)
 
       ahead = plan.l2_prefetch          # interpret mode: the table reads run, the prefetches are no-ops
 

@@ -23,6 +23,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+from pallas_kernels.mla_decode.cache import FP8_TILE
+
 
 def share_of_part(sched_ref, cu_ref, part):
   """(b_first, b_last, seq_pages) of split-KV share `part` (split_kv.schedule_kernel's rows: begin, end, b_first,
@@ -151,6 +153,43 @@ def scale_layout():
   (a reduction inside each thread: no cross-warp scratch)."""
   return plgpu.Layout.TILED(plgpu.Tiling(((32, 4), (8, 4), (4, 4))), warp_dims=(-6,),
                             lane_dims=(-2, plgpu.Replicated(8)), vector_dim=-1)
+
+
+CONVERT_TOKENS = 32            # tokens of an fp8 conversion unit (half a page)
+
+
+def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1)):
+  """For a producer that converts pages itself: the e4m3 tiles of latent half `half` (columns [256 half, 256 half
+  + 256)) of pool page pg straight from GMEM, {(t, k): [32 tok, 128] column tile t of token half token_halves[k]}
+  (8 bytes a thread each), and their scales {k: [32, 4]}. Issued before the caller waits for the slot, so that
+  their latency passes under the wait."""
+  tok, tile = CONVERT_TOKENS, FP8_TILE
+  tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)], layout=dequant_layout(),
+                              optimized=False)
+           for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
+  scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * tok, tok)], layout=scale_layout(), optimized=False)
+            for k, th in enumerate(token_halves)}
+  return tiles, scales
+
+
+def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1)):
+  """load_fp8_part's (tiles, scales) -> f16 x each tile's power-of-two scale (exact), handed to store(x, t, th)
+  tile by tile ([32 tok, 128] f16 in dequant_layout: column tile t, token half th). Tokens at or past n_valid (a
+  partial last page) -> 0 by select: they may hold NaN; only such a page pays the select."""
+  tiles, scales = part
+
+  def convert(masked: bool):
+    for k, th in enumerate(token_halves):
+      col4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 1, layout=scale_layout())
+      if masked:
+        row4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 0, layout=scale_layout())
+        ok = (row4 + th * CONVERT_TOKENS < n_valid).astype(jnp.float32)
+      for t in (2 * half, 2 * half + 1):
+        store(scaled_f16(tiles[t, k], scales[k], col4, t, ok if masked else None), t, th)
+
+  page = 2 * CONVERT_TOKENS
+  pl.when(n_valid >= page)(lambda: convert(False))
+  pl.when(n_valid < page)(lambda: convert(True))
 
 
 def scaled_f16(x, sc, col4, t: int, ok=None):

@@ -13,7 +13,7 @@ and a CUDA 13 ptxas on PATH (or /usr/local/cuda). Then, from the repository root
     /tmp/cudavenv/bin/python scripts/ptxas_report.py --case '{"op": "mla", "kernel": "seesaw", "fp8": true,
         "plan": {"producer_registers": 56, "compute_registers": 224}}'
 Each case compiles in its own process (the report is ptxas's own output); a case is one call shape:
-    {"op": "mla", "kernel": "rows" | "seesaw", "fp8": bool, "heads": 128, "sq": 1, "plan": {...make_plan kwargs}}
+    {"op": "mla", "kernel": "rows" | "seesaw" | "swapped", "fp8": bool, "heads": 128, "sq": 1, "plan": {...}}
     {"op": "moe", "group": 128, "tokens": 64, "config": {...}}        DeepSeek-V3's routed experts
     {"op": "dense", "k": 7168, "n": 18432, "m": 64, "group": 128, "config": {...}}
 The ptxas here may not be the H200 image's: read the report as a difference between variants, checked on a GPU.
@@ -69,17 +69,26 @@ def compile_case(case: dict) -> None:
   s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=where)
   if case["op"] == "mla":
     from pallas_kernels.mla_decode import mosaic_sm90
-    module = mosaic_sm90.ROWS_KERNELS[case["kernel"]]
     batch, heads, sq, pages = case.get("batch", 128), case.get("heads", 128), case.get("sq", 1), 8192
     fp8 = bool(case["fp8"])
-    plan = module.make_plan(sq * heads, num_sms=132, fp8=fp8, **case.get("plan", {}))
-    fn = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=sq > 1, softmax_scale=192 ** -0.5,
-                           num_pages=pages, interpret=False)
-    rows = batch * plan.groups
+    if case["kernel"] == "swapped":           # tokens on wgmma M, <= 32 query rows per CTA (h16 and the like)
+      plan = mosaic_sm90.make_plan(sq * heads, fp8, num_parts=132 // -(-sq * heads // 32), **case.get("plan", {}))
+      fn = mosaic_sm90._build_call(plan, batch=batch, sq=sq, heads=heads, causal=sq > 1, softmax_scale=192 ** -0.5,
+                                   num_pages=pages, interpret=False)
+      n = plan.n
+      q_args = ((s((batch * plan.groups, n, 512), jnp.float16), s((batch * plan.groups, n, 64), jnp.bfloat16))
+                if fp8 else (s((batch * plan.groups, n, 576), jnp.bfloat16),) * 2)
+    else:
+      module = mosaic_sm90.ROWS_KERNELS[case["kernel"]]
+      plan = module.make_plan(sq * heads, num_sms=132, fp8=fp8, **case.get("plan", {}))
+      fn = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=sq > 1, softmax_scale=192 ** -0.5,
+                             num_pages=pages, interpret=False)
+      rows = batch * plan.groups
+      q_args = (s((rows, 64, 512), jnp.bfloat16), s((rows, 64, 64), jnp.bfloat16))
     cache = ((s((pages, 64, 512), jnp.float8_e4m3fn), s((pages, 64, 64), jnp.bfloat16),
               s((pages, 64, 4), jnp.float32)) if fp8 else
              (s((pages, 64, 512), jnp.bfloat16), s((pages, 64, 64), jnp.bfloat16)))
-    args = (s((rows, 64, 512), jnp.bfloat16), s((rows, 64, 64), jnp.bfloat16), *cache,
+    args = (*q_args, *cache,
             s((batch, 64), jnp.int32), s((batch,), jnp.int32), s((batch + 1,), jnp.int32),
             s((4, 1 << (plan.num_parts - 1).bit_length()), jnp.int32))
   else:

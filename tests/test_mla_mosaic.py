@@ -611,11 +611,52 @@ def test_fp8_q_operands_never_write_the_concatenation():
   assert not np.asarray(lat[:, 40:], np.float32).any() and not np.asarray(rope[:, 40:], np.float32).any()
 
 
-@pytest.mark.parametrize("fp8,heads", [(True, 16), (False, 16), (True, 20)])
-def test_swapped_kernel_lowers_for_sm90(fp8, heads):
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,ahead", [
+    (16, 1, [129, 0, 64, 3, 200], False, 3, 0),   # zero length, partial pages (the producer zeroes their tails)
+    (20, 2, [1, 130, 64], True, 3, 2),            # two head groups, causal; the table read 2 pages ahead
+    (8, 1, [330, 2, 65, 1], False, 2, 8),         # the ring wraps many times; reads ahead past every share's end
+])
+def test_swapped_producer_dequant_interpret(heads, sq, lens, causal, parts, ahead):
+  """producer_dequant (fp8: the producer warpgroup converts each page into an f16 ring; l2_prefetch pages read
+  ahead) on NaN-poisoned caches against the float64 reference on the dequantized cache."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + ahead, lens=lens, sq=sq, heads=heads,
+                                           dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
+                        producer_dequant=True, l2_prefetch=ahead)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+
+
+def test_swapped_producer_dequant_interpret_no_races():
+  """Race detector on: the producer's stores into a 2-slot f16 ring against both compute warpgroups' reads."""
+  q, cache, table, lens = random_problem(5, lens=[330, 2], sq=1, heads=8, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="swapped", producer_dequant=True,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
+  assert res["ok"], res
+
+
+def test_swapped_producer_dequant_rejects():
+  with pytest.raises(ValueError, match="producer_dequant applies to an fp8 cache only"):
+    ms.make_plan(16, False, producer_dequant=True)
+  for bad in (-1, ms.MAX_L2_PREFETCH_PAGES + 1, True):
+    with pytest.raises(ValueError, match="l2_prefetch is a number of pages"):
+      ms.make_plan(16, True, producer_dequant=True, l2_prefetch=bad)
+  with pytest.raises(ValueError, match="needs producer_dequant"):
+    ms.make_plan(16, True, l2_prefetch=2)
+  plan = ms.make_plan(16, True, producer_dequant=True)
+  assert plan.num_stages == 2 and plan.smem_bytes <= ms.SMEM_LIMIT     # two f16 pages, no fp8 slot
+
+
+@pytest.mark.parametrize("fp8,heads,pd", [(True, 16, False), (False, 16, False), (True, 20, False),
+                                          (True, 16, True), (True, 32, True)])
+def test_swapped_kernel_lowers_for_sm90(fp8, heads, pd):
   """The swapped kernel's GPU code path lowers for sm90 with the operands the wrapper passes: Q's latent part (f16
-  for an fp8 cache, else q itself) and, for its rope columns, q's rope part alone (fp8) or q itself (bf16)."""
-  plan = ms.make_plan(heads, fp8, num_parts=8)
+  for an fp8 cache, else q itself) and, for its rope columns, q's rope part alone (fp8) or q itself (bf16); pd:
+  with producer_dequant (and an L2 prefetch of 4 pages), which has the TMA unit's L2 prefetch in it."""
+  plan = ms.make_plan(heads, fp8, num_parts=8, producer_dequant=pd, l2_prefetch=4 if pd else None)
   batch, num_pages, max_pages = 4, 64, 8
   s = jax.ShapeDtypeStruct
   call = ms._build_call(plan, batch=batch, sq=1, heads=heads, causal=False, softmax_scale=SCALE,
@@ -633,6 +674,7 @@ def test_swapped_kernel_lowers_for_sm90(fp8, heads):
                                 s((batch + 1,), jnp.int32), s((4, parts_padded), jnp.int32))
   text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "wgmma" in text
+  assert ("cp.async.bulk.prefetch.tensor" in text) == pd
 
 
 # ---- the seesaw kernel (mosaic_sm90_seesaw.py, opt-in kernel="seesaw", bf16 cache): FlashMLA's staggered pair ----
@@ -763,11 +805,11 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
     call(kernel="rows", crossover=True)
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

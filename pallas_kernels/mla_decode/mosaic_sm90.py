@@ -44,8 +44,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
-from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_shared import SWZ16, dequant_layout, produce_pages, scale_layout, share_of_part
+from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
+from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, convert_fp8_part, dequant_layout,
+                                                    load_fp8_part, produce_pages, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -67,15 +68,30 @@ class Plan:
   num_stages: int      # page ring depth
   fp8: bool
   split_p: bool        # P.V as (P_hi + P_lo) . V in two bf16 MMAs (bf16 cache): f32-grade P instead of bf16's 2^-9
+  # fp8 (opt-in): the producer warpgroup converts each page from GMEM into an f16 ring itself (the seesaw kernel's
+  # producer), so the compute warpgroups' per-page chain loses its dequantization and the fp8 ring and the f16 page
+  # give their SMEM to a second f16 slot; l2_prefetch: pages ahead it asks the TMA unit to bring into L2 (0: off)
+  producer_dequant: bool = False
+  l2_prefetch: int = 0
 
   @property
   def smem_bytes(self) -> int:
-    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p)
+    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant)
 
 
-def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False) -> int:
+# registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
+# producer loads a whole page's e4m3 tiles and scales (~80 registers) before its wait; at 32 the compute
+# warpgroups need more (O^T half [256, 32] f32 and the [64, 32] row sums), so the producer loads the page's second
+# half after storing the first (ptxas, compile-only sm_90a, b128: 0 B of spills at h16; h32 212 / 216 B, against
+# 436 / 484 for the swapped kernel without producer_dequant; h32 with the whole page ahead: 248-408 B at any split)
+def producer_dequant_registers(n: int) -> tuple[int, int]:
+  return (120, 192) if n <= 16 else (88, 208)
+MAX_L2_PREFETCH_PAGES = 8
+
+
+def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
-  if fp8:
+  if fp8 and not producer_dequant:
     ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
@@ -114,7 +130,8 @@ MAX_ROWS_PER_CTA = 32
 
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
-              rows_per_cta: int | None = None, split_p: bool | None = None) -> Plan:
+              rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
+              l2_prefetch: int | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -124,6 +141,15 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
+  producer_dequant = bool(producer_dequant)
+  if producer_dequant and not fp8:
+    raise ValueError("producer_dequant applies to an fp8 cache only (a bf16 page has nothing to convert)")
+  l2_prefetch = 0 if l2_prefetch is None else l2_prefetch
+  if (not isinstance(l2_prefetch, int) or isinstance(l2_prefetch, bool)
+      or not 0 <= l2_prefetch <= MAX_L2_PREFETCH_PAGES or (l2_prefetch and not producer_dequant)):
+    raise ValueError(f"mosaic_sm90: l2_prefetch is a number of pages in [0, {MAX_L2_PREFETCH_PAGES}] and needs "
+                     f"producer_dequant (the swapped kernel's TMA producer already streams pages ahead), got "
+                     f"{l2_prefetch!r}")
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
@@ -131,15 +157,15 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
-  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p) <= SMEM_LIMIT
+  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant) <= SMEM_LIMIT
   if num_stages is None:
     num_stages = max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
-                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p)} bytes of SMEM, "
-                     f"over {SMEM_LIMIT}")
+                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant)} bytes of "
+                     f"SMEM, over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p)
+              split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -221,6 +247,7 @@ def _combine(o_part, lse2_part, sched, batch: int):
 def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float,
                 num_pages: int, interpret: bool):
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
+  pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
   scale_log2 = float(softmax_scale) * LOG2E
@@ -230,7 +257,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   scratch = dict(
       qn_smem=plgpu.SMEM((2, n, HALF), dt, transforms=SWZ16),                     # Q latent, by half
       qr_smem=plgpu.SMEM((n, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))          # Q rope
-  if fp8:
+  if fp8 and not pd:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16),
@@ -239,12 +266,14 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
   else:
     scratch.update(
-        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.bfloat16, transforms=SWZ16),
+        ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   scratch.update(
       sx=plgpu.SMEM((2, PAGE, n), jnp.float32),                                    # score swap
       pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
-      loaded=plgpu.Barrier(num_arrivals=4 if fp8 else 3, num_barriers=stages),     # TMA copies of a page landed
+      # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
+      # converted stores and the rope's TMA
+      loaded=plgpu.Barrier(num_arrivals=2 if pd else 4 if fp8 else 3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),                 # ring slot free again
       xbar=plgpu.Barrier(num_arrivals=2),                                          # scores written
       xread=plgpu.Barrier(num_arrivals=2),                                         # scores read
@@ -294,9 +323,75 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pl.when(n_valid >= PAGE)(lambda: convert(False))
       pl.when(n_valid < PAGE)(lambda: convert(True))
 
+    def produce_converted_pages():
+      """producer_dequant: every page of the share, in order, into f16 ring slot c % stages: the e4m3 latent from
+      GMEM (both halves loaded before the slot's wait), converted and stored by this warpgroup, the rope by TMA;
+      with l2_prefetch, the pages that far ahead are read from the table (a queue in the loop carry, so no load
+      waits on the table) and brought into L2 by TMA."""
+      plgpu.set_max_registers(producer_dequant_registers(n)[0], action="decrease")
+      ahead = plan.l2_prefetch
+      whole_page_ahead = n <= 16              # see producer_dequant_registers
+
+      def page_id(b, j):
+        # j clipped into the table and the page into the pool: a read ahead past the end cannot fault
+        return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
+
+      def prefetch(pg, j, hi):
+        @pl.when(j < hi)
+        def _():
+          for h in range(2):
+            plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
+          plgpu.async_prefetch(sc_ref.at[pg])
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+        length = lens_ref[b]
+        queue = tuple(page_id(b, lo + j) for j in range(ahead))
+        for j, pg in enumerate(queue):
+          prefetch(pg, lo + j, hi)
+
+        def page(j, carry):
+          c, queue = carry
+          slot = lax.rem(c, stages)
+          pg = queue[0] if ahead else jnp.clip(bt_ref[b, j], 0, num_pages - 1)
+          if ahead:
+            new = page_id(b, j + ahead)
+          # latency under the wait: the whole page, or its first half (the second after the first is stored)
+          parts = [load_fp8_part(lat_ref, sc_ref, pg, h) for h in range(2 if whole_page_ahead else 1)]
+
+          @pl.when(c >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          # (a run-time zero in the slot: the store addresses are computed in the loop, not hoisted and spilled)
+          slot_z = slot + lax.shift_right_logical(c, 31)
+          for h in range(2):
+            def store(x, t, th, h=h):
+              ring_lat[slot_z, h, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
+            if h == len(parts):
+              parts.append(load_fp8_part(lat_ref, sc_ref, pg, h))
+            convert_fp8_part(parts[h], h, length - j * PAGE, store)
+          if ahead:
+            prefetch(new, j + ahead, hi)
+            queue = queue[1:] + (new,)
+          plgpu.commit_smem()                 # the f16 page visible to the compute warpgroups' wgmmas
+          plgpu.barrier_arrive(loaded.at[slot])
+          return c + 1, queue
+
+        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, (ctr, queue))[0]
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      for i in range(stages):                 # the last pages' releases, so no barrier phase is left pending
+        @pl.when(done + i >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
+
     # -------- warpgroup 2: the page producer --------
     @pl.when(wg == 2)
     def _producer():
+      if pd:
+        return produce_converted_pages()
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
@@ -304,7 +399,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(producer_dequant_registers(n)[1] if pd else 232, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
@@ -349,12 +444,13 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             plgpu.barrier_wait(loaded.at[slot])
             release = consumed.at[slot]
             rope_tile = ring_rope.at[slot]
-            if fp8:
+            if fp8 and not pd:
               dequant(slot, w, n_valid)
               plgpu.commit_smem()
               tile = kbuf.at[w]
             else:
-              zero_tail(slot, n_valid)
+              if not fp8:
+                zero_tail(slot, n_valid)      # (producer_dequant: the producer zeroed them)
               tile = ring_lat.at[slot, w]
 
             def qk(acc_ref):
@@ -367,7 +463,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               return acc_ref[...]
 
             s_mine = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32))
-            if fp8:
+            if fp8 and not pd:
               plgpu.barrier_arrive(release)            # latent dequantized, rope read: slot free
 
             # swap partial scores with the other warpgroup (sx[w] is rewritten only after both read it)
@@ -408,7 +504,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             # this page's P.V in a fresh accumulator, folded in with the rescale as one FMA per element
             o_page = pl.run_scoped(pv, plgpu.ACC((HALF, n), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + o_page
-            if not fp8:
+            if not fp8 or pd:
               plgpu.barrier_arrive(release)
             return acc, m_new, l_acc
 
@@ -572,8 +668,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
                registers: dict | None = None, early_p0: bool | None = None,
-               crossover: bool | str | None = None,
-               l2_prefetch: int | None = None) -> tuple[jax.Array, jax.Array]:
+               crossover: bool | str | None = None, l2_prefetch: int | None = None,
+               producer_dequant: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -588,7 +684,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   off for fp8). crossover: the seesaw kernel with an fp8 cache runs two row groups' CTAs as a cluster whose producers
   each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
-  None: its default).
+  None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
+  kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
+  None: off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -609,9 +707,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
                             **(registers or {}))
-  if registers is not None or early_p0 is not None or crossover is not None or l2_prefetch is not None:
-    raise ValueError("mosaic_sm90: registers, early_p0, crossover and l2_prefetch apply to the seesaw kernel "
-                     "(kernel='seesaw')")
+  if registers is not None or early_p0 is not None or crossover is not None:
+    raise ValueError("mosaic_sm90: registers, early_p0 and crossover apply to the seesaw kernel (kernel='seesaw')")
+  if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None):
+    raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant, to the "
+                     "swapped kernel (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -622,7 +722,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if prefetch_tiles is not None or rebase_per_page is not None:
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p)
+                   split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the

@@ -14,6 +14,8 @@ half (warpgroup 0 adds the 64 RoPE dims), they swap partial scores through SMEM,
 (log2 domain, masked by select), and each accumulates its half of O^T in registers. With an fp8 cache each compute
 warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-of-two tile scale: exact in f16)
 into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
+Opt-in `producer_dequant`: the producer warpgroup loads the e4m3 page from GMEM and converts it into a 2-slot f16
+ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages as they read bf16 ones.
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)

@@ -251,11 +251,16 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
   assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
 
 
-def test_kernel_interpret_no_races():
-  """Race detector on: 2 shares, a 2-slot ring that wraps (3 pages in one share), fp8 dequant + swap."""
-  q, cache, table, lens = random_problem(3, lens=[130, 2], sq=1, heads=8, dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, num_stages=2,
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+@pytest.mark.parametrize("seed,lens,kw", [
+    (3, [130, 2], dict(num_stages=2)),      # a 2-slot fp8 ring that wraps (3 pages in one share), dequant + swap
+    # producer_dequant: the producer's stores into the 2-slot f16 ring against both compute warpgroups' reads
+    (5, [330, 2], dict(kernel="swapped", producer_dequant=True)),
+])
+def test_kernel_interpret_no_races(seed, lens, kw):
+  """Race detector on: 2 shares of an fp8 cache, the ring wrapping."""
+  q, cache, table, lens = random_problem(seed, lens=lens, sq=1, heads=8, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True), **kw)
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
   res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
@@ -624,17 +629,6 @@ def test_swapped_producer_dequant_interpret(heads, sq, lens, causal, parts, ahea
   out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
                         producer_dequant=True, l2_prefetch=ahead)
   res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
-  assert res["ok"], res
-
-
-def test_swapped_producer_dequant_interpret_no_races():
-  """Race detector on: the producer's stores into a 2-slot f16 ring against both compute warpgroups' reads."""
-  q, cache, table, lens = random_problem(5, lens=[330, 2], sq=1, heads=8, dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="swapped", producer_dequant=True,
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))
-  jax.block_until_ready(out)
-  assert not gpu_interpret.get_races().races_found
-  res = compare(out, lse, *f64_reference(q, cache, table, lens, False))
   assert res["ok"], res
 
 

@@ -47,8 +47,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, convert_fp8_part, dequant_layout,
-                                                    load_fp8_part, produce_pages, scale_layout, share_of_part)
+from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
+                                                    convert_fp8_part, dequant_layout, load_fp8_part, page_ahead,
+                                                    produce_pages, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
@@ -146,12 +147,10 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   producer_dequant = bool(producer_dequant)
   if producer_dequant and not fp8:
     raise ValueError("producer_dequant applies to an fp8 cache only (a bf16 page has nothing to convert)")
-  l2_prefetch = 0 if l2_prefetch is None else l2_prefetch
-  if (not isinstance(l2_prefetch, int) or isinstance(l2_prefetch, bool)
-      or not 0 <= l2_prefetch <= MAX_L2_PREFETCH_PAGES or (l2_prefetch and not producer_dequant)):
-    raise ValueError(f"mosaic_sm90: l2_prefetch is a number of pages in [0, {MAX_L2_PREFETCH_PAGES}] and needs "
-                     f"producer_dequant (the swapped kernel's TMA producer already streams pages ahead), got "
-                     f"{l2_prefetch!r}")
+  l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH_PAGES, "pages")
+  if l2_prefetch and not producer_dequant:
+    raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
+                     "already streams pages ahead)")
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
@@ -334,9 +333,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       ahead = plan.l2_prefetch
       whole_page_ahead = n <= 16              # see producer_dequant_registers
 
-      def page_id(b, j):
-        # j clipped into the table and the page into the pool: a read ahead past the end cannot fault
-        return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
+      page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
       def prefetch(pg, j, hi):
         @pl.when(j < hi)

@@ -60,8 +60,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (cluster_fence, convert_fp8_part, load_fp8_part, share_of_part,
-                                                    split_vectors, start_q_latent, store_to_peer, SWZ16)
+from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, cluster_fence, convert_fp8_part, load_fp8_part,
+                                                    page_ahead, share_of_part, split_vectors, start_q_latent,
+                                                    store_to_peer, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -161,10 +162,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
     raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
                      f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
                      f"{'fp8' if fp8 else 'bf16'}, {groups} groups for {rows} rows)")
-  l2_prefetch = 0 if l2_prefetch is None else l2_prefetch
-  if not isinstance(l2_prefetch, int) or isinstance(l2_prefetch, bool) or not 0 <= l2_prefetch <= MAX_L2_PREFETCH:
-    raise ValueError(f"mosaic_sm90 seesaw kernel: l2_prefetch is a number of page pairs in [0, {MAX_L2_PREFETCH}] "
-                     f"(0: off), got {l2_prefetch!r}")
+  l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch)
@@ -298,10 +296,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       token_halves = (cx,) if xo else (0, 1)
       tok0, n_tok = (cx * TOK, TOK) if xo else (0, PAGE)
 
-      def page_id(b, j):
-        """Page j of sequence b's pool index (j clipped into the table, the page into the pool: a read ahead past
-        the sequence's end cannot fault; such a page is never prefetched)."""
-        return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
+      page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
       def prefetch(pg, j, hi):
         """Page pg (page j of a sequence with hi pages) into L2 by TMA: the latent rows this producer reads and the

@@ -158,6 +158,20 @@ def scale_layout():
 CONVERT_TOKENS = 32            # tokens of an fp8 conversion unit (half a page)
 
 
+def page_ahead(bt_ref, b, j, num_pages: int):
+  """Pool page of page j of sequence b for a producer that reads the table ahead: j clipped into the table and the
+  page into the pool, so a read past the sequence's end cannot fault (its page is never loaded or prefetched)."""
+  return jnp.clip(bt_ref[b, jnp.clip(j, 0, bt_ref.shape[1] - 1)], 0, num_pages - 1)
+
+
+def check_l2_prefetch(value, limit: int, unit: str) -> int:
+  """A producer's l2_prefetch setting: None -> 0 (off), else an int in [0, limit] (of `unit`s ahead)."""
+  value = 0 if value is None else value
+  if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+    raise ValueError(f"l2_prefetch is a number of {unit} in [0, {limit}] (0: off), got {value!r}")
+  return value
+
+
 def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1)):
   """For a producer that converts pages itself: the e4m3 tiles of latent half `half` (columns [256 half, 256 half
   + 256)) of pool page pg straight from GMEM, {(t, k): [32 tok, 128] column tile t of token half token_halves[k]}

@@ -308,6 +308,19 @@ def timing_variants():
       ("fp8_e4m3 h32", "fp8_e4m3", 32, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h32 producer_dequant l2 4", "fp8_e4m3", 32, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=True, l2_prefetch=4)),
+      # the defaults as of 51d1294's measurements (fp8: seesaw with 1 pair prefetched; producer_dequant with 4 pages
+      # ahead from 32 rows per CTA) against what they replaced
+      ("fp8_e4m3 h128 seesaw l2_prefetch 0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", l2_prefetch=0)),
+      ("fp8_e4m3 h128 b64", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h32 no producer_dequant", "fp8_e4m3", 32, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=False)),
+      *((f"fp8_e4m3 {label} producer_dequant l2 2", "fp8_e4m3", h, sq, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="swapped", producer_dequant=True, l2_prefetch=2)) for label, h, sq in (("h32", 32, 1),
+                                                                                            ("h16 sq2", 16, 2))),
+      ("fp8_e4m3 h20", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h20 no producer_dequant", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=False)),
   ]
 
 
@@ -377,8 +390,8 @@ def main():
   ap.add_argument("--case-grep", default=None, help="run only the correctness cases whose name contains this")
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
   ap.add_argument("--kernel", default="auto", choices=list(mosaic_sm90.KERNELS),
-                  help="mosaic_sm90 kernel for the correctness cases (auto: seesaw for bf16, rows for fp8, where "
-                       "Sq*H %% 64 == 0)")
+                  help="mosaic_sm90 kernel for the correctness cases (auto: seesaw where Sq*H %% 64 == 0, else "
+                       "swapped)")
   ap.add_argument("--commit", default=None)
   args = ap.parse_args()
   if args.only:

@@ -349,11 +349,33 @@ def test_rows_kernel_schedule_matches_its_shares():
                   schedule=swapped_sched)
 
 
+def test_plan_defaults():
+  """The measured defaults: the fp8 seesaw prefetches 1 page pair into L2 (not with crossover, not for bf16); the
+  swapped kernel's producer converts fp8 pages from 32 rows per CTA (h20, h32, h16 Sq 2), with 4 pages prefetched."""
+  seesaw = ms.mosaic_sm90_seesaw
+  assert seesaw.make_plan(128, num_sms=132, fp8=True).l2_prefetch == seesaw.DEFAULT_L2_PREFETCH == 1
+  assert seesaw.make_plan(128, num_sms=132, fp8=False).l2_prefetch == 0
+  assert seesaw.make_plan(128, num_sms=132, fp8=True, crossover=True).l2_prefetch == 0
+  assert seesaw.make_plan(128, num_sms=132, fp8=True, l2_prefetch=0).l2_prefetch == 0
+  for rows, on in ((32, True), (20, True), (40, True), (16, False), (8, False), (1, False)):
+    plan = ms.make_plan(rows, True)
+    assert (plan.producer_dequant, plan.l2_prefetch) == ((True, ms.DEFAULT_L2_PREFETCH_PAGES) if on else (False, 0))
+  plan = ms.make_plan(32, False)
+  assert (plan.producer_dequant, plan.l2_prefetch) == (False, 0)
+  plan = ms.make_plan(32, True, producer_dequant=False)
+  assert (plan.producer_dequant, plan.l2_prefetch) == (False, 0)
+  plan = ms.make_plan(16, True, producer_dequant=True)
+  assert (plan.producer_dequant, plan.l2_prefetch) == (True, ms.DEFAULT_L2_PREFETCH_PAGES)
+  assert ms.make_plan(32, True, rows_per_cta=16).producer_dequant is False      # 16 rows per CTA, 2 groups
+  with pytest.raises(ValueError, match="needs producer_dequant"):
+    ms.make_plan(32, True, producer_dequant=False, l2_prefetch=2)
+
+
 def test_kernel_choice():
   assert ms.choose_kernel(128, False) == "seesaw" and ms.choose_kernel(64, False) == "seesaw"
   assert ms.choose_kernel(256, False) == "seesaw"                      # h128 Sq2
   assert ms.choose_kernel(128, False, "rows") == "rows"
-  assert ms.choose_kernel(128, True) == "rows" and ms.choose_kernel(64, True) == "rows"
+  assert ms.choose_kernel(128, True) == "seesaw" and ms.choose_kernel(64, True) == "seesaw"
   assert ms.choose_kernel(16, True) == "swapped" and ms.choose_kernel(80, True) == "swapped"
   assert ms.choose_kernel(128, True, "rows") == "rows"
   assert ms.choose_kernel(80, False) == "swapped" and ms.choose_kernel(32, False) == "swapped"
@@ -753,7 +775,7 @@ def test_seesaw_l2_prefetch_lowers_for_sm90(fp8, crossover):
   lowered = _lower_rows_for_sm90(plan, **kw)
   assert "cp.async.bulk.prefetch.tensor" in lowered
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
-  without = _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=fp8, crossover=crossover), **kw)
+  without = _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=fp8, crossover=crossover, l2_prefetch=0), **kw)
   assert "cp.async.bulk.prefetch.tensor" not in without
   for bad in (-1, mss.MAX_L2_PREFETCH + 1, True, 1.5):
     with pytest.raises(ValueError, match="l2_prefetch is a number of page pairs"):
@@ -772,14 +794,14 @@ def test_seesaw_crossover_lowers_for_sm90(exchange, heads, sq, causal):
   lowered = _lower_rows_for_sm90(plan, **kw)
   assert "mosaic_gpu" in lowered
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
-  assert lowered != _lower_rows_for_sm90(mss.make_plan(sq * heads, num_sms=8, fp8=True), **kw)
+  assert lowered != _lower_rows_for_sm90(mss.make_plan(sq * heads, num_sms=8, fp8=True, l2_prefetch=0), **kw)
   interp = lambda p: jax.make_jaxpr(mss.build_call(p, batch=4, sq=sq, heads=heads, causal=causal,
                                                    softmax_scale=SCALE, num_pages=64, interpret=True))
   s = jax.ShapeDtypeStruct
   args = (s((4 * plan.groups, 64, 512), jnp.bfloat16), s((4 * plan.groups, 64, 64), jnp.bfloat16),
           s((64, 64, 512), jnp.float8_e4m3fn), s((64, 64, 64), jnp.bfloat16), s((64, 64, 4), jnp.float32),
           s((4, 8), jnp.int32), s((4,), jnp.int32), s((5,), jnp.int32), s((4, plan.num_parts), jnp.int32))
-  assert str(interp(plan)(*args)) == str(interp(mss.make_plan(sq * heads, num_sms=8, fp8=True))(*args))
+  assert str(interp(plan)(*args)) == str(interp(mss.make_plan(sq * heads, num_sms=8, fp8=True, l2_prefetch=0))(*args))
   # what it cannot pair: a bf16 cache (nothing to convert), an odd number of row groups
   with pytest.raises(ValueError, match="even number of 64-row groups"):
     mss.make_plan(128, num_sms=8, fp8=False, crossover=True)

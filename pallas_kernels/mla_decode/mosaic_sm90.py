@@ -14,8 +14,9 @@ half (warpgroup 0 adds the 64 RoPE dims), they swap partial scores through SMEM,
 (log2 domain, masked by select), and each accumulates its half of O^T in registers. With an fp8 cache each compute
 warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-of-two tile scale: exact in f16)
 into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
-Opt-in `producer_dequant`: the producer warpgroup loads the e4m3 page from GMEM and converts it into a 2-slot f16
-ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages as they read bf16 ones.
+With `producer_dequant` (the default from 32 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
+converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
+as they read bf16 ones.
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
@@ -29,8 +30,8 @@ the compute warpgroups (a [256, N] f32 accumulator, the [64, N] scores and row s
 the H200 (bench/HISTORY.md). What bounds this kernel, measured, and the designs that would lift it: NOTES.md here.
 
 This module is the backend's dispatch too: with Sq * H a multiple of 64 (h64 / h128) the query rows fill wgmma M
-and `choose_kernel` sends the call to a 64-row kernel instead, the seesaw kernel (mosaic_sm90_seesaw.py) for a bf16
-cache and the rows kernel (mosaic_sm90_rows.py) for fp8.
+and `choose_kernel` sends the call to a 64-row kernel instead, the seesaw kernel (mosaic_sm90_seesaw.py) for both
+caches (the rows kernel, mosaic_sm90_rows.py, when asked for).
 """
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ class Plan:
 def producer_dequant_registers(n: int) -> tuple[int, int]:
   return (120, 192) if n <= 16 else (88, 208)
 MAX_L2_PREFETCH_PAGES = 8
+# make_plan's defaults with an fp8 cache: producer_dequant from 32 rows per CTA, with 2 pages prefetched (jax 0.11.2,
+# 51d1294, b128 L4096, CUPTI kernel. H100: h32 238.1 -> 191.1 us and h16 Sq 2 238.1 -> 194.7 with 4 pages ahead.
+# H200: h32 231.2 -> 183.0 with 2 pages ahead (188.2 with 4), h16 Sq 2 182.4 with 2 (189.3 with 4), h20 233.7 ->
+# 184.1 with 4). At 16 rows it gains nothing (H100 h16: 137.6 off, 139.1 / 149.3 with 2 / 4 ahead): off there
+PRODUCER_DEQUANT_MIN_ROWS = 32
+DEFAULT_L2_PREFETCH_PAGES = 2
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False) -> int:
@@ -140,22 +147,28 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
   per output element, which docs/architecture.md §3 admits only under a widened bound; the split keeps P at
   f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
+  producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
+  DEFAULT_L2_PREFETCH_PAGES; l2_prefetch otherwise defaults to off.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
-  producer_dequant = bool(producer_dequant)
   if producer_dequant and not fp8:
     raise ValueError("producer_dequant applies to an fp8 cache only (a bf16 page has nothing to convert)")
-  l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH_PAGES, "pages")
-  if l2_prefetch and not producer_dequant:
-    raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
-                     "already streams pages ahead)")
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
     raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
   groups = -(-rows // max_n)
   n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
+  if producer_dequant is None:
+    producer_dequant = fp8 and n >= PRODUCER_DEQUANT_MIN_ROWS
+  producer_dequant = bool(producer_dequant)
+  if l2_prefetch is None:
+    l2_prefetch = DEFAULT_L2_PREFETCH_PAGES if producer_dequant else 0
+  l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH_PAGES, "pages")
+  if l2_prefetch and not producer_dequant:
+    raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
+                     "already streams pages ahead)")
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant) <= SMEM_LIMIT
@@ -563,15 +576,15 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   """Which of the backend's three kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA),
   "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M) or "seesaw" (mosaic_sm90_seesaw.py; 64 rows per
   CTA as rows, FlashMLA's staggered two-page schedule). "auto", when Sq * H is a multiple of 64 (h64 / h128
-  decode: no padded rows): seesaw for a bf16 cache, rows for fp8 (H100, jax 0.11.2, b128 h128 L4096, CUPTI: bf16
-  seesaw 287 us vs rows 309, fp8 seesaw 468 vs rows 374: its producer cannot dequantize a page per MMA pair; NOTES.md);
-  otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs 163 fp8). Forcing "rows" or
+  decode: no padded rows): seesaw for both caches (H100, jax 0.11.2, b128 h128 L4096, CUPTI kernel: bf16 seesaw 287 us
+  vs rows 309; fp8 at 51d1294, seesaw with its default L2 prefetch 357.8 vs rows 376.0, b64 186.7 vs 190.9, Sq 2
+  715.0 vs 733.2; NOTES.md); otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs 163 fp8). Forcing "rows" or
   "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed and dropped)."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":
     if rows >= mosaic_sm90_rows.ROWS and rows % mosaic_sm90_rows.ROWS == 0:
-      return "rows" if fp8 else "seesaw"
+      return "seesaw"
     return "swapped"
   return kernel
 
@@ -685,7 +698,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
-  None: off).
+  None: on from 32 rows per CTA, make_plan).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

@@ -30,8 +30,9 @@ warpgroup dequantizes its own 32 tokens (all 512 columns, e4m3 -> f16 x power-of
 of a partial page -> 0) into that page and copies their rope, releases the fp8 slot at once (the producer refills it
 during this page's compute), and reads the f16 page for QK (its tokens) and P.V (its columns, after pbar). Q's
 latent part and P are f16 (no fp8 -> bf16 convert on this ptxas). A `kfree` barrier keeps the next dequant off the
-f16 page until both P.Vs are done with it. mosaic_sm90's `auto` runs it when Sq·H is a multiple of 64 (H200 h128:
-359 TFLOP/s against the swapped kernel's 163).
+f16 page until both P.Vs are done with it. mosaic_sm90's `auto` ran it when Sq·H is a multiple of 64 (H200 h128:
+359 TFLOP/s against the swapped kernel's 163) until the seesaw kernel with its L2 prefetch beat it (H200, 51d1294:
+kernel 358.6 vs 372.0 µs); now it runs when asked for (kernel="rows").
 
 fp8 with num_stages=2 (opt-in; 3% slower on an H200, NOTES.md): each slot stays held until both warpgroups'
 QKs are done with it, so QK reads the page's rope from the slot (no rope copy) and `consumed` is arrived after

@@ -1,4 +1,4 @@
-"""mosaic_sm90's seesaw kernel (auto's for a bf16 cache; Sq * H a multiple of 64, both caches): FlashMLA's schedule.
+"""mosaic_sm90's seesaw kernel (auto's where Sq * H is a multiple of 64, both caches): FlashMLA's schedule.
 
 The rows kernel (mosaic_sm90_rows.py) runs each page in lockstep: both compute warpgroups take half its tokens'
 scores, swap row maxima, run the softmax and multiply P by their halves of V, so the tensor cores idle through
@@ -80,6 +80,10 @@ _NUM_BARRIERS = 14
 CROSSOVER_EXCHANGES = ("", "stores", "st_async")
 # l2_prefetch's limit: 4 pairs of bf16 pages a CTA ahead is ~78 MB over 132 SMs, above the 50 MB L2
 MAX_L2_PREFETCH = 4
+# make_plan's l2_prefetch for an fp8 cache without crossover (jax 0.11.2, 51d1294, b128 h128 L4096, CUPTI kernel.
+# H100: 387.7 us off, 357.8 at 1 pair, 364.6 at 2, 384.1 at 3; the rows kernel 376.0. H200: 386.6 off, 358.6 at 1;
+# rows 372.0). Off for bf16 (TMA pages; H100: 301.0 off, 369.7 at 1) and with crossover (not timed together)
+DEFAULT_L2_PREFETCH = 1
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -162,6 +166,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
     raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
                      f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
                      f"{'fp8' if fp8 else 'bf16'}, {groups} groups for {rows} rows)")
+  if l2_prefetch is None:
+    l2_prefetch = DEFAULT_L2_PREFETCH if fp8 and not crossover else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),

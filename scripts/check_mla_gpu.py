@@ -126,6 +126,10 @@ def correctness_cases(kind: str):
        dict(producer_dequant=True, l2_prefetch=4)),
       ("fp8 h32 b2 L8192 producer_dequant", "fp8_e4m3", 32, 1, [8192, 8000], "swapped",
        dict(producer_dequant=True)),
+      ("fp8 h16 ragged+0 producers 2", "fp8_e4m3", 16, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "swapped",
+       dict(producer_dequant=True, producers=2, l2_prefetch=2)),
+      ("fp8 h16 b48 many seqs/part producers 2", "fp8_e4m3", 16, 1, ragged(48, 1500), "swapped",
+       dict(producer_dequant=True, producers=2)),
   ]
 
 
@@ -321,6 +325,24 @@ def timing_variants():
       ("fp8_e4m3 h20", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h20 no producer_dequant", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=False)),
+      # the next candidates for fp8 h128 (the V3 slice's attention is b64): crossover with the pages already in L2
+      # (its halved conversion did not help while the loads were the bound), and b64's split-KV width
+      *((f"fp8_e4m3 h128{b} seesaw crossover l2_prefetch 1", "fp8_e4m3", 128, 1, batch, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", crossover=True, l2_prefetch=1)) for b, batch in (("", 128), (" b64", 64))),
+      *((f"fp8_e4m3 h128 b64 seesaw parts {p}", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", num_parts=p)) for p in (64, 132)),
+      # fp8 h16 with two producer warpgroups converting a page's latent halves side by side (4 warpgroups)
+      *((f"fp8_e4m3 h16 producers 2 l2 {a}", *base, False, "mosaic_sm90",
+         dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=a)) for a in (0, 1, 2, 4)),
+      ("fp8_e4m3 h16 producers 2 l2 2 ragged[1..2L]", *base, True, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2)),
+      ("fp8_e4m3 h16 b32 L16384 producers 2 l2 2", "fp8_e4m3", 16, 1, 32, 16384, False, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2)),
+      ("fp8_e4m3 h16 sq2 rows_per_cta 16 producers 2 l2 2", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2, rows_per_cta=16)),
+      ("fp8_e4m3 h8 producers 2 l2 2", "fp8_e4m3", 8, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2)),
+      ("fp8_e4m3 h8", "fp8_e4m3", 8, 1, 128, 4096, False, "mosaic_sm90", {}),
   ]
 
 

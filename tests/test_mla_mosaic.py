@@ -255,6 +255,8 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
     (3, [130, 2], dict(num_stages=2)),      # a 2-slot fp8 ring that wraps (3 pages in one share), dequant + swap
     # producer_dequant: the producer's stores into the 2-slot f16 ring against both compute warpgroups' reads
     (5, [330, 2], dict(kernel="swapped", producer_dequant=True)),
+    # two producers, each storing one latent half of every page into the ring, the first also its rope by TMA
+    (6, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=2)),
 ])
 def test_kernel_interpret_no_races(seed, lens, kw):
   """Race detector on: 2 shares of an fp8 cache, the ring wrapping."""
@@ -654,6 +656,22 @@ def test_swapped_producer_dequant_interpret(heads, sq, lens, causal, parts, ahea
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,kw", [
+    # two producer warpgroups, each converting one latent half of every page: zero length, partial pages
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2)),
+    (8, 1, [330, 2, 65, 1], False, 2, dict(producers=2, l2_prefetch=8)),   # wraps; reads past every share's end
+    (16, 2, [1, 130, 64], True, 2, dict(producers=2, l2_prefetch=2, rows_per_cta=16)),   # Sq 2 causal, 2 groups
+    # the path the default left at 32 rows a CTA: the compute warpgroups dequantize (two head groups, causal)
+    (20, 2, [1, 130, 64], True, 3, dict(producer_dequant=False)),
+])
+def test_swapped_fp8_producer_variants_interpret(heads, sq, lens, causal, parts, kw):
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 11, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  kw = {"producer_dequant": True, **kw}
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped", **kw)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+
+
 def test_swapped_producer_dequant_rejects():
   with pytest.raises(ValueError, match="producer_dequant applies to an fp8 cache only"):
     ms.make_plan(16, False, producer_dequant=True)
@@ -664,15 +682,35 @@ def test_swapped_producer_dequant_rejects():
     ms.make_plan(16, True, l2_prefetch=2)
   plan = ms.make_plan(16, True, producer_dequant=True)
   assert plan.num_stages == 2 and plan.smem_bytes <= ms.SMEM_LIMIT     # two f16 pages, no fp8 slot
+  assert (plan.producers, plan.num_warpgroups) == (1, 3)
+  two = ms.make_plan(16, True, producer_dequant=True, producers=2)
+  assert (two.num_warpgroups, two.smem_bytes) == (4, plan.smem_bytes)   # one more warpgroup, the same SMEM
+  assert 2 * sum(two.registers) <= 4 * 128          # the launch's 512 threads get 128 registers each
+  with pytest.raises(ValueError, match="needs producer_dequant"):
+    ms.make_plan(16, True, producer_dequant=False, producers=2)
+  with pytest.raises(ValueError, match="at most 16 rows a CTA"):
+    ms.make_plan(32, True, producers=2)                                  # producer_dequant by default there
+  for bad in (0, 3, True):
+    with pytest.raises(ValueError, match="producers must be 1 or 2"):
+      ms.make_plan(16, True, producer_dequant=True, producers=bad)
+  q = jnp.zeros((1, 1, 128, 576), jnp.bfloat16)
+  cache = MLAKVCache.allocate(2, dtype="fp8_e4m3")
+  for kw in (dict(producers=2), dict(producer_dequant=True)):            # the seesaw kernel's (auto at h128)
+    with pytest.raises(ValueError, match="seesaw kernel does not take"):
+      ms.mla_decode(q, cache, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), softmax_scale=0.1,
+                    causal=False, **kw)
 
 
-@pytest.mark.parametrize("fp8,heads,pd", [(True, 16, False), (False, 16, False), (True, 20, False),
-                                          (True, 16, True), (True, 32, True)])
-def test_swapped_kernel_lowers_for_sm90(fp8, heads, pd):
+@pytest.mark.parametrize("fp8,heads,pd,producers", [(True, 16, False, 1), (False, 16, False, 1), (True, 20, False, 1),
+                                                    (True, 16, True, 1), (True, 32, True, 1), (True, 16, True, 2)])
+def test_swapped_kernel_lowers_for_sm90(fp8, heads, pd, producers):
   """The swapped kernel's GPU code path lowers for sm90 with the operands the wrapper passes: Q's latent part (f16
   for an fp8 cache, else q itself) and, for its rope columns, q's rope part alone (fp8) or q itself (bf16); pd:
-  with producer_dequant (and an L2 prefetch of 4 pages), which has the TMA unit's L2 prefetch in it."""
-  plan = ms.make_plan(heads, fp8, num_parts=8, producer_dequant=pd, l2_prefetch=4 if pd else None)
+  with producer_dequant (and an L2 prefetch of 4 pages), which has the TMA unit's L2 prefetch in it; producers 2:
+  4 warpgroups."""
+  plan = ms.make_plan(heads, fp8, num_parts=8, producer_dequant=pd, l2_prefetch=4 if pd else None,
+                      producers=producers)
+  assert plan.num_warpgroups == 2 + producers
   batch, num_pages, max_pages = 4, 64, 8
   s = jax.ShapeDtypeStruct
   call = ms._build_call(plan, batch=batch, sq=1, heads=heads, causal=False, softmax_scale=SCALE,
@@ -817,7 +855,7 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
                                     **kw)
   with pytest.raises(ValueError, match="2 slots"):
     call(kernel="seesaw", num_stages=1)
-  with pytest.raises(ValueError, match="seesaw kernel takes"):
+  with pytest.raises(ValueError, match="seesaw kernel does not take"):
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))

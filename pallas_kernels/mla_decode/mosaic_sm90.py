@@ -77,10 +77,22 @@ class Plan:
   # give their SMEM to a second f16 slot; l2_prefetch: pages ahead it asks the TMA unit to bring into L2 (0: off)
   producer_dequant: bool = False
   l2_prefetch: int = 0
+  # producer_dequant with 2: two producer warpgroups, each converting one latent half of every page (the first one
+  # also issues the rope's TMA), so a page's conversion takes half the time; up to 16 rows a CTA (registers)
+  producers: int = 1
 
   @property
   def smem_bytes(self) -> int:
     return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant)
+
+  @property
+  def num_warpgroups(self) -> int:
+    return NUM_WARPGROUPS + self.producers - 1
+
+  @property
+  def registers(self) -> tuple[int, int]:
+    """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
+    return producer_dequant_registers(self.n, self.producers)
 
 
 # registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
@@ -88,7 +100,11 @@ class Plan:
 # warpgroups need more (O^T half [256, 32] f32 and the [64, 32] row sums), so the producer loads the page's second
 # half after storing the first (ptxas, compile-only sm_90a, b128: 0 B of spills at h16; h32 212 / 216 B, against
 # 436 / 484 for the swapped kernel without producer_dequant; h32 with the whole page ahead: 248-408 B at any split)
-def producer_dequant_registers(n: int) -> tuple[int, int]:
+# With two producers (4 warpgroups: 512 threads, 128 registers each on average) each loads only its half page (~40
+# registers) and the compute warpgroups at 16 rows hold O^T half [256, 16] f32 (32) and the [64, 16] scores and sums.
+def producer_dequant_registers(n: int, producers: int = 1) -> tuple[int, int]:
+  if producers == 2:
+    return (96, 160)
   return (120, 192) if n <= 16 else (88, 208)
 MAX_L2_PREFETCH_PAGES = 8
 # make_plan's defaults with an fp8 cache: producer_dequant from 32 rows per CTA, with 2 pages prefetched (jax 0.11.2,
@@ -141,7 +157,7 @@ MAX_ROWS_PER_CTA = 32
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
               rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
-              l2_prefetch: int | None = None) -> Plan:
+              l2_prefetch: int | None = None, producers: int | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -169,6 +185,13 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if l2_prefetch and not producer_dequant:
     raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
                      "already streams pages ahead)")
+  producers = 1 if producers is None else producers
+  if producers not in (1, 2) or isinstance(producers, bool):
+    raise ValueError(f"mosaic_sm90: producers must be 1 or 2, got {producers!r}")
+  if producers == 2 and not (producer_dequant and n <= 16):
+    raise ValueError(f"mosaic_sm90: producers=2 splits producer_dequant's page conversion between two warpgroups; it "
+                     f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
+                     f"{producer_dequant} with {n} rows a CTA")
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant) <= SMEM_LIMIT
@@ -179,7 +202,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant)} bytes of "
                      f"SMEM, over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
-              split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch)
+              split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
+              producers=producers)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -262,6 +286,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
                 num_pages: int, interpret: bool):
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
+  producers = plan.producers
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
   scale_log2 = float(softmax_scale) * LOG2E
@@ -287,7 +312,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
       # converted stores and the rope's TMA
-      loaded=plgpu.Barrier(num_arrivals=2 if pd else 4 if fp8 else 3, num_barriers=stages),
+      loaded=plgpu.Barrier(num_arrivals=1 + producers if pd else 4 if fp8 else 3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),                 # ring slot free again
       xbar=plgpu.Barrier(num_arrivals=2),                                          # scores written
       xread=plgpu.Barrier(num_arrivals=2),                                         # scores read
@@ -337,23 +362,26 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pl.when(n_valid >= PAGE)(lambda: convert(False))
       pl.when(n_valid < PAGE)(lambda: convert(True))
 
-    def produce_converted_pages():
-      """producer_dequant: every page of the share, in order, into f16 ring slot c % stages: the e4m3 latent from
-      GMEM (both halves loaded before the slot's wait), converted and stored by this warpgroup, the rope by TMA;
-      with l2_prefetch, the pages that far ahead are read from the table (a queue in the loop carry, so no load
-      waits on the table) and brought into L2 by TMA."""
-      plgpu.set_max_registers(producer_dequant_registers(n)[0], action="decrease")
+    def produce_converted_pages(mine: tuple[int, ...]):
+      """producer_dequant: every page of the share, in order, into f16 ring slot c % stages: the e4m3 latent
+      halves `mine` from GMEM (the first, or both, loaded before the slot's wait), converted and stored by this
+      warpgroup; the rope by TMA (from the producer that owns half 0); with l2_prefetch, the pages that far ahead
+      are read from the table (a queue in the loop carry, so no load waits on the table) and their halves `mine`
+      brought into L2 by TMA."""
+      plgpu.set_max_registers(plan.registers[0], action="decrease")
       ahead = plan.l2_prefetch
       whole_page_ahead = n <= 16              # see producer_dequant_registers
+      rope_here = 0 in mine
 
       page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
       def prefetch(pg, j, hi):
         @pl.when(j < hi)
         def _():
-          for h in range(2):
+          for h in mine:
             plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
-          plgpu.async_prefetch(sc_ref.at[pg])
+          if rope_here:
+            plgpu.async_prefetch(sc_ref.at[pg])
 
       def seg(b, ctr):
         lo, hi = seq_pages(b)
@@ -369,20 +397,21 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           if ahead:
             new = page_id(b, j + ahead)
           # latency under the wait: the whole page, or its first half (the second after the first is stored)
-          parts = [load_fp8_part(lat_ref, sc_ref, pg, h) for h in range(2 if whole_page_ahead else 1)]
+          parts = {h: load_fp8_part(lat_ref, sc_ref, pg, h) for h in mine[:2 if whole_page_ahead else 1]}
 
           @pl.when(c >= stages)
           def _():
             plgpu.barrier_wait(consumed.at[slot])
 
-          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
+          if rope_here:
+            plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded.at[slot])
           # (a run-time zero in the slot: the store addresses are computed in the loop, not hoisted and spilled)
           slot_z = slot + lax.shift_right_logical(c, 31)
-          for h in range(2):
+          for h in mine:
             def store(x, t, th, h=h):
               ring_lat[slot_z, h, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
-            if h == len(parts):
-              parts.append(load_fp8_part(lat_ref, sc_ref, pg, h))
+            if h not in parts:
+              parts[h] = load_fp8_part(lat_ref, sc_ref, pg, h)
             convert_fp8_part(parts[h], h, length - j * PAGE, store)
           if ahead:
             prefetch(new, j + ahead, hi)
@@ -399,11 +428,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         def _():
           plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
-    # -------- warpgroup 2: the page producer --------
+    # -------- warpgroup 2 (and 3 with two producers, each converting one latent half): the page producer --------
     @pl.when(wg == 2)
     def _producer():
       if pd:
-        return produce_converted_pages()
+        return produce_converted_pages((0,) if producers == 2 else (0, 1))
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
@@ -411,7 +440,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
-      plgpu.set_max_registers(producer_dequant_registers(n)[1] if pd else 232, action="increase")
+      plgpu.set_max_registers(plan.registers[1] if pd else 232, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
@@ -544,6 +573,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       def _():
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
+    if producers == 2:
+      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))
 
@@ -551,7 +582,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
-      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
+      grid_names=("g", "part"), num_threads=plan.num_warpgroups, thread_name="wg",
       # No automatic warpgroup barrier around SMEM stores: every SMEM hand-off here is already ordered by an
       # mbarrier (each thread arrives with release semantics) or by commit_smem, and the automatic barriers cost
       # 2 warpgroup syncs per store (they made the fp8 h16 kernel ~10% slower on the H200, bench/HISTORY.md).
@@ -681,7 +712,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
                registers: dict | None = None, early_p0: bool | None = None,
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
-               producer_dequant: bool | None = None) -> tuple[jax.Array, jax.Array]:
+               producer_dequant: bool | None = None, producers: int | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -698,7 +729,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
-  None: on from 32 rows per CTA, make_plan).
+  None: on from 32 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
+  (Plan.producers; None: 1).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -706,24 +738,25 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 supports bfloat16 and fp8_e4m3 caches, got {cache.dtype}")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
-  if interpret:
+  if interpret:   # (the swapped kernel with two producers checks its 4 warpgroups below)
     gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   which = choose_kernel(sq * heads, fp8, kernel)
   if which == "seesaw":
-    if rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None:
-      raise ValueError("mosaic_sm90: the seesaw kernel takes num_parts, schedule and registers only (rows_per_cta "
-                       "/ split_p are the swapped kernel's, prefetch_tiles / rebase_per_page the rows kernel's)")
+    if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
+        or producer_dequant is not None or producers is not None):
+      raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
+                       "producers (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
                             **(registers or {}))
   if registers is not None or early_p0 is not None or crossover is not None:
     raise ValueError("mosaic_sm90: registers, early_p0 and crossover apply to the seesaw kernel (kernel='seesaw')")
-  if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None):
-    raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant, to the "
-                     "swapped kernel (kernel='seesaw' or 'swapped')")
+  if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None):
+    raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
+                     "producers), to the swapped kernel (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -734,7 +767,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if prefetch_tiles is not None or rebase_per_page is not None:
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
-                   split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch)
+                   split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
+                   producers=producers)
+  if interpret:
+    gpu_interpret.check_cpu_threads(plan.num_warpgroups)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the

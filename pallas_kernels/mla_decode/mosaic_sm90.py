@@ -16,7 +16,8 @@ warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-o
 into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
 With `producer_dequant` (the default from 32 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
-as they read bf16 ones.
+as they read bf16 ones; opt-in `producers=2` (up to 16 rows a CTA) adds a fourth warpgroup, and the two producers
+convert one latent half of each page each.
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)

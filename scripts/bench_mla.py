@@ -8,7 +8,9 @@ against the float64 NumPy reference on NaN-poisoned caches; (3) optional config 
 (4) the grid b {32,128} x h {16,128} x L {4096,16384} x Sq {1,2} x cache {bf16,fp8} x lengths {uniform,
 ragged}: microseconds per call (median of 5 timed batches, each call on one of two input sets in turn so the
 L2 does not serve the cache), effective GB/s (bytes = sum(L) * 656 fp8 or * 1152 bf16), TFLOP/s
-(2 * Sq * h * sum(L) * 1088) and % of the copy ceiling. Prints a table last; writes JSON (device, jax version,
+(2 * Sq * h * sum(L) * 1088) and % of the copy ceiling; mosaic_sm90 twice, as a whole call and given the decode
+step's split-KV schedule (`mosaic_sm90:<kernel>+step_schedule`: one layer's cost in a step, which computes the
+schedule once for all layers, as FlashMLA times its kernel after get_mla_metadata). Prints a table last; writes JSON (device, jax version,
 git commit) to --out, else $OUT/mla_bench.json, else bench/results/mla_<device>.json.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import MLAKVCache, available_backends, mla_decode
+from pallas_kernels import MLAKVCache, available_backends, mla_decode, mla_decode_schedule
 from pallas_kernels.mla_decode import mosaic_sm90
 from pallas_kernels.mla_decode import triton as triton_backend
 from pallas_kernels.mla_decode.api import apply_output_contract
@@ -160,6 +162,8 @@ def _grid_entries(backends, mosaic_kernel: str):
   for name in backends:
     if name != "mosaic_sm90" or mosaic_kernel == "auto":
       yield name, None if name != "mosaic_sm90" else "auto"
+      if name == "mosaic_sm90":
+        yield name, STEP      # the same call given the decode step's schedule: one layer's cost in a step
       continue
     for kernel in (("swapped", "rows") if mosaic_kernel == "both" else (mosaic_kernel,)):
       yield name, kernel
@@ -169,9 +173,17 @@ def _label(name: str, kernel) -> str:
   return name if kernel is None else f"{name}:{kernel}"
 
 
+# mosaic_sm90 with the split-KV schedule computed outside the timed call, as a decode step computes it once for all
+# its layers (mla_decode_schedule; FlashMLA times its kernel after get_mla_metadata the same way)
+STEP = "step_schedule"
+
+
 def _grid_fn(name: str, kernel, *, causal: bool):
   if kernel in (None, "auto"):
     return jax.jit(lambda q, c, t, s: mla_decode(q, c, t, s, softmax_scale=0.1, causal=causal, backend=name))
+  if kernel == STEP:
+    return jax.jit(lambda q, c, t, s, sched: mla_decode(q, c, t, s, softmax_scale=0.1, causal=causal,
+                                                        backend=name, schedule=sched))
 
   def forced(q, c, t, s):                          # the op's steps for one device, with the kernel forced
     out, lse = mosaic_sm90.mla_decode(q, c, t, s, softmax_scale=0.1, causal=causal, kernel=kernel)
@@ -293,7 +305,11 @@ def main(argv=None):
     for name, kernel in _grid_entries(backends, args.mosaic_kernel):
       fn = _grid_fn(name, kernel, causal=sq > 1)
       try:
-        sec = time_calls(fn, list(sets))
+        arg_sets = list(sets)
+        if kernel == STEP:
+          arg_sets = [(q, c, t, s, mla_decode_schedule(s, t, num_heads=h, q_len=sq, cache_dtype=dtype,
+                                                       backend=name)) for q, c, t, s in arg_sets]
+        sec = time_calls(fn, arg_sets)
       except Exception as e:  # noqa: BLE001 - e.g. out of memory for the xla reference: report and go on
         name = _label(name, kernel)
         print(f"{name} b{b} h{h} L{L} sq{sq} {dtype} {lengths}: FAILED {type(e).__name__}: {str(e)[:200]}",
@@ -303,7 +319,8 @@ def main(argv=None):
         continue
       nbytes = total * cache_bytes_per_token(dtype)
       if name == "mosaic_sm90":
-        kernel = mosaic_sm90.choose_kernel(sq * h, dtype == "fp8_e4m3", kernel)
+        kernel = mosaic_sm90.choose_kernel(sq * h, dtype == "fp8_e4m3", "auto" if kernel == STEP else kernel) + (
+            "+" + STEP if kernel == STEP else "")
       name = _label(name, kernel)
       rec = dict(backend=name, b=b, h=h, L=L, sq=sq, dtype=dtype, lengths=lengths, sum_len=total,
                  us=sec * 1e6, gbps=nbytes / sec / 1e9, tflops=FLOPS_PER_QK_TOKEN * sq * h * total / sec / 1e12,

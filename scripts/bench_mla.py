@@ -10,8 +10,8 @@ ragged}: microseconds per call (median of 5 timed batches, each call on one of t
 L2 does not serve the cache), effective GB/s (bytes = sum(L) * 656 fp8 or * 1152 bf16), TFLOP/s
 (2 * Sq * h * sum(L) * 1088) and % of the copy ceiling; mosaic_sm90 twice, as a whole call and given the decode
 step's split-KV schedule (`mosaic_sm90:<kernel>+step_schedule`: one layer's cost in a step, which computes the
-schedule once for all layers, as FlashMLA times its kernel after get_mla_metadata). Prints a table last; writes JSON (device, jax version,
-git commit) to --out, else $OUT/mla_bench.json, else bench/results/mla_<device>.json.
+schedule once for all layers, as FlashMLA times its kernel after get_mla_metadata). Prints a table last; writes
+JSON (device, jax version, git commit) to --out, else $OUT/mla_bench.json, else bench/results/mla_<device>.json.
 """
 from __future__ import annotations
 

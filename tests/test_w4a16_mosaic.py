@@ -91,8 +91,9 @@ def test_planes_per_wgmma_must_divide_the_group():
 
 def test_unknown_config_key_is_refused():
   w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
-  with pytest.raises(ValueError, match="unknown config keys"):
-    ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=dict(num_warps=8), interpret=True)
+  for cfg in (dict(num_warps=8), dict(x_reuse=2)):          # a triton key; a removed option (NOTES v20)
+    with pytest.raises(ValueError, match="unknown config keys"):
+      ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=cfg, interpret=True)
 
 
 @pytest.mark.parametrize("persistent,extra", [(False, {}), (True, {}),
@@ -398,66 +399,6 @@ def test_unit_scales_moe_and_lowering(cfg, monkeypatch):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("r,ctas,extra", [(2, 2, {}),                                    # 2 super-units a CTA
-                                           (4, 1, dict(overlap=False)),                    # one CTA walks both
-                                           (2, 3, dict(convert_in_producer=True, fold="fma", g=128))])
-def test_x_reuse_gives_the_same_bits(r, ctas, extra, monkeypatch):
-  """x_reuse: super-units of r column tiles with the block's x resident in SMEM, refilled once the previous
-  super-unit's consumers freed each chunk's slot. The same products in the same order: the same output bits."""
-  extra = dict(extra)
-  g = extra.pop("g", 64)
-  rng = np.random.default_rng(700 + r + ctas)
-  q, z, s = rand_awq(rng, 1024, 1024, g)                  # 4 chunks, 8 column tiles of 128
-  w = to_device(layout.pack(q, z, s, g, xp=np))
-  x = jnp.asarray(rng.standard_normal((7, 1024)), jnp.bfloat16)
-  base = dict(stream_k=False, splits=1, num_ctas=ctas, **extra)
-  taken = _record_kernel_args(monkeypatch, "x_reuse")
-  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=base)
-  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, x_reuse=r))
-  assert taken == [1, r]
-  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
-  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
-
-
-def test_x_reuse_moe_vs_float64_and_lowering(monkeypatch):
-  """Both MoE kernels with x resident (gate|up's 2 column tiles and down's 4 as super-units of 2, blocks of
-  several experts walked by 2 CTAs), against float64; the GPU path lowers, also with the compute_only ablation."""
-  taken = _record_kernel_args(monkeypatch, "x_reuse")
-  err, w13 = small_moe_vs_float64(61, dict(x_reuse=2, splits=1))      # (unsplit: K splits keep x per chunk)
-  assert err < 1.5e-2
-  assert taken == [2, 2]
-  err, _ = small_moe_vs_float64(61, dict(x_reuse=2, splits=1, convert_in_producer=True, fold="fma"))
-  assert err < 1.5e-2
-  xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
-  for c in (dict(x_reuse=2), dict(x_reuse=2, convert_in_producer=True, fold="fma", ablate="compute_only")):
-    text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(c, stream_k=False, splits=1, num_ctas=132)), xs,
-                          first_expert(w13))
-    assert "wgmma" in text
-  assert taken[-2:] == [2, 2]
-
-
-def test_x_reuse_only_where_it_applies(monkeypatch):
-  """x stays per chunk with K splits, stream-K, a tile count R does not divide, or where the x slots do not fit
-  beside the ring at x_reuse_min_stages; the kernel refuses an inconsistent request."""
-  rng = np.random.default_rng(9)
-  w = to_device(layout.pack(*rand_awq(rng, 1024, 384, 64), 64, xp=np))            # 3 column tiles
-  x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
-  taken = _record_kernel_args(monkeypatch, "x_reuse")
-  unsplit = dict(stream_k=False, splits=1)
-  for cfg in (dict(x_reuse=3, splits=2, stream_k=False), dict(x_reuse=3), dict(unsplit, x_reuse=2),
-              dict(unsplit, x_reuse=3), dict(unsplit, x_reuse=3, x_reuse_min_stages=5)):
-    api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(cfg, num_ctas=2))
-  assert taken == [1, 1, 1, 3, 1]
-  # gate|up of a DeepSeek-V3 expert (K 7168, 28 chunks) at g128 with the producer's conversion: the resident x
-  # (8 rows: 119 KiB with X) fits beside unit_scales at 3 stages, not 4; at g64 unit_scales' slots leave no room
-  assert ms.smem_bytes(8, 128, 3, True, True, 56, 28) <= ms.SMEM_LIMIT < ms.smem_bytes(8, 128, 4, True, True, 56, 28)
-  assert ms.smem_bytes(8, 64, 3, True, True, 112, 28) > ms.SMEM_LIMIT
-  with pytest.raises(ValueError, match="x_reuse"):
-    ms._kernel_call(num_blocks=1, block_m=8, tiles=3, splits=1, chunks_per_split=4, n_chunks=4, group=64, n_pad=384,
-                    gated=False, up_offset=192, out_dtype=jnp.bfloat16, num_stages=2, consumer_registers=232,
-                    producer_registers=40, overlap=True, num_ctas=2, interpret=True, x_reuse=2)
-
-
 @pytest.mark.parametrize("m,sub,extra", [(7, 2, dict(stream_k=False, splits=2)),          # 8-row blocks, K splits
                                           (40, 2, dict(stream_k=False, splits=1)),         # one 64-row block
                                           (70, 2, {}),                                      # stream-K, 2 blocks
@@ -482,11 +423,11 @@ def test_sub_tiles_give_the_same_bits(m, sub, extra, monkeypatch):
 
 def test_sub_tiles_moe_vs_float64_and_lowering(monkeypatch):
   """Both MoE kernels with 2 sub-tiles per consumer (gate|up's gated epilogue hands 2 up accumulators over), also
-  with x_reuse on top; the GPU path lowers at 8- and 64-row blocks."""
+  unsplit with the producer's conversion and the fma fold; the GPU path lowers at 8- and 64-row blocks."""
   taken = _record_kernel_args(monkeypatch, "sub_tiles")
   err, w13 = small_moe_vs_float64(71, dict(sub_tiles=2))
   assert err < 1.5e-2 and taken == [2, 2]            # gate|up: I = 128 is one tile of 2 gate (and up) sub-tiles
-  err, _ = small_moe_vs_float64(71, dict(sub_tiles=2, x_reuse=2, splits=1, convert_in_producer=True, fold="fma"))
+  err, _ = small_moe_vs_float64(71, dict(sub_tiles=2, splits=1, convert_in_producer=True, fold="fma"))
   assert err < 1.5e-2
   for rows in (5, 64):
     xs = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16)
@@ -496,29 +437,29 @@ def test_sub_tiles_moe_vs_float64_and_lowering(monkeypatch):
   assert taken[-2:] == [2, 2]
 
 
-def test_v3_shapes_lower_with_the_x_options(monkeypatch):
-  """At DeepSeek-V3's shapes (E 256, D 7168, I 2048, top-8; o_proj-sized dense) the kernels with x_reuse and
-  sub_tiles pass Mosaic's SMEM, layout and wgmma checks, with the ring depths and options the rules pick: x
-  resident for gate|up g128 at 3 stages, sub_tiles trading gate|up's unit_scales for its second sub-tile, and 2
-  sub-tiles at 64-row blocks in 2 stages (4 asked for: halved to fit)."""
+def test_v3_shapes_lower_with_sub_tiles(monkeypatch):
+  """At DeepSeek-V3's shapes (E 256, D 7168, I 2048, top-8; o_proj-sized dense) the kernels with 1 and 2 sub-tiles
+  pass Mosaic's SMEM, layout and wgmma checks, with the ring depths and options the rules pick: sub_tiles trading
+  gate|up's unit_scales for its second sub-tile, and 2 sub-tiles at 64-row blocks in 2 stages (4 asked for: halved
+  to fit)."""
   e, d, i, k = 256, 7168, 2048, 8
   abstract = lambda *a, **kw: jax.eval_shape(lambda: layout.random_weight(jax.random.key(0), *a, **kw))
   w13, w2 = abstract((e,), d, i, 128, gate_up=True), abstract((e,), i, d, 128)
-  taken = _record_kernel_args(monkeypatch, "num_stages", "x_reuse", "sub_tiles", "unit_scales")
+  taken = _record_kernel_args(monkeypatch, "num_stages", "sub_tiles", "unit_scales")
   t = 64
   bm = api.default_block_m(t, k, e, "mosaic_sm90")
   args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
           jax.ShapeDtypeStruct((t, k), jnp.float32), w13, w2)
-  for cfg in (dict(x_reuse=4, sub_tiles=1), dict(sub_tiles=2)):    # (sub_tiles 2 is the default at these shapes)
+  for cfg in (dict(sub_tiles=1), dict(sub_tiles=2)):    # (sub_tiles 2 is the default at these shapes)
     text = lower_for_cuda(lambda x, ids, wts, a, b: ms.moe(x, routing.align(ids, wts, e, bm), a, b, busy_blocks=e,
                                                            config=dict(cfg, num_ctas=132)), *args)
     assert "wgmma" in text
-  assert taken == [(3, 4, 1, True), (4, 4, 1, True), (4, 1, 2, False), (4, 1, 2, True)]
+  assert taken == [(4, 1, True), (4, 1, True), (4, 2, False), (4, 2, True)]
   taken.clear()
   w = abstract((), 7168, 7168, 128)
   text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(sub_tiles=4, num_ctas=132)),
                         jax.ShapeDtypeStruct((64, 7168), jnp.bfloat16), w)
-  assert "wgmma" in text and taken == [(2, 1, 2, False)]
+  assert "wgmma" in text and taken == [(2, 2, False)]
 
 
 def test_stream_k_plan():

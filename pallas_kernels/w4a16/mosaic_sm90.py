@@ -70,8 +70,7 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=True, stream_k=False, gather_kernel=False, x_reuse=1, x_reuse_min_stages=3,
-                      sub_tiles=1)
+                      unit_scales=True, stream_k=False, gather_kernel=False, sub_tiles=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
@@ -140,21 +139,16 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # only the weights, or x once per block, would save under the H200's power cap, NOTES v11).
 # Measured and removed: "contig", each word tile read as one contiguous 8 KiB run (a tile-major format's DRAM
 # pattern): no faster (NOTES v11).
-# x_reuse = R > 1: each persistent CTA walks "super-units" of R column tiles of one row block (tiles m, m + tiles/R,
-# ..., so the CTAs on one block at a time still read neighbouring column tiles, as round-robin units do) and keeps
-# the block's whole x (and the fma fold's X) resident in SMEM, one slot per 256-row chunk: copied once per R units
-# instead of once per chunk of every unit (the "nox" ablation's copies: -4% sustained, NOTES v11). A chunk's x slot
-# is refilled for the next super-unit once both consumers are done with it in the last unit (x_free), which is a
-# whole unit behind the producer, so the refill never waits. Applies to unsplit units on the persistent grid where
-# SMEM holds the x slots beside the ring (with unit_scales as it would be chosen) at x_reuse_min_stages or more
-# stages, and at most 32 chunks (one barrier array's phase bits); elsewhere x comes per chunk as before.
+# Measured and removed: x_reuse, a row block's whole x resident in SMEM across R column tiles of "super-units" (copied
+# once per R units instead of once per chunk): no gain at R = 2 on an H100 or an H200, +9-11% at R = 4 (NOTES v17,
+# v18, v20).
 # sub_tiles = R: each consumer warpgroup owns R 64-column sub-tiles of a unit (R accumulators; a unit spans
 # 128 R columns, gated: 64 R gate and the same up columns), so every x tile copied into the ring serves R times the
 # weight columns. Aimed at 64-row blocks (every dense linear at batch 33-64: x is 32 KiB a chunk against 16 KiB of
 # words, copied again for every column tile). A consumer decodes sub-tile r + 1 while sub-tile r's wgmmas run and
 # keeps at most one sub-tile's wgmmas in flight, so the A registers held are those of two sub-tiles, as the overlap
 # (block_m <= 32) holds two chunks' today; without it nothing stays in flight across the chunk loop's back edge.
-# Both options are opt-in: built without a GPU lease, not measured (NOTES v15).
+# Opt-in; the MoE's default from 16 tokens where it takes 8-row blocks (moe_config; NOTES v18).
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
@@ -373,25 +367,23 @@ def _store_transposed_gpu(acc, out_ref, rows_ref=None):
 
 
 def smem_bytes(block_m: int, group: int, stages: int, convert: bool = False, fma: bool = False,
-               unit_groups: int = 0, x_chunks: int = 0, sub_tiles: int = 1) -> int:
+               unit_groups: int = 0, sub_tiles: int = 1) -> int:
   """unit_groups: the groups of a work unit whose scales and zeros are held per unit (two units' worth, see
-  unit_scales) instead of per stage. x_chunks: the chunks of x held resident (x_reuse) instead of per stage.
-  sub_tiles: 64-column sub-tiles per consumer."""
+  unit_scales) instead of per stage. sub_tiles: 64-column sub-tiles per consumer."""
   slots = NUM_CONSUMERS * sub_tiles              # 64-column sub-tiles of a unit
   x_tile = block_m * (layout.CHUNK_K + CORR_K * fma) * 2
   per_stage = (slots * WORD_ROWS * SUB_N * 4
                + slots * (layout.CHUNK_K // group) * SUB_N * (3 * (not unit_groups) + 4 * convert + 2 * fma)
-               + x_tile * (not x_chunks))
+               + x_tile)
   per_unit = 2 * slots * unit_groups * SUB_N * 3
-  return stages * per_stage + per_unit + x_chunks * x_tile + slots * SUB_N * block_m * 4 + 2048
+  return stages * per_stage + per_unit + slots * SUB_N * block_m * 4 + 2048
 
 
 def default_stages(block_m: int, group: int, most: int = 4, convert: bool = False, fma: bool = False,
-                   unit_groups: int = 0, x_chunks: int = 0, sub_tiles: int = 1) -> int:
+                   unit_groups: int = 0, sub_tiles: int = 1) -> int:
   """The deepest ring (at most `most` stages, at least 2) whose SMEM fits: 4 at block_m 16 / 32, 3 at 64."""
   stages = most
-  while stages > 2 and smem_bytes(block_m, group, stages, convert, fma, unit_groups, x_chunks,
-                                  sub_tiles) > SMEM_LIMIT:
+  while stages > 2 and smem_bytes(block_m, group, stages, convert, fma, unit_groups, sub_tiles) > SMEM_LIMIT:
     stages -= 1
   return stages
 
@@ -401,13 +393,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  group: int, n_pad: int, gated: bool, up_offset: int, out_dtype, num_stages: int,
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
-                 fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0, x_reuse: int = 1,
+                 fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0,
                  sub_tiles: int = 1):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
   stream_k = S > 0 (routing.stream_k_plan's slot count for these units): the persistent CTAs split the chunks of
   all num_blocks x tiles units evenly, each writing a float32 partial per unit it touches into slot `segment` of
-  [S, rows, N_pad]. x_reuse = R > 1: super-units of R column tiles with the block's x resident (x_reuse above).
-  sub_tiles: 64-column sub-tiles per consumer (a column tile is 128 sub_tiles columns, gated 64 sub_tiles)."""
+  [S, rows, N_pad]. sub_tiles: 64-column sub-tiles per consumer (a column tile is 128 sub_tiles columns, gated 64 sub_tiles)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma
@@ -442,34 +433,27 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
     raise ValueError(f"w4a16 mosaic_sm90: unit_scales needs units of equal length; {chunks_per_split} chunks per "
                      f"split do not divide {n_chunks}.")
   ug = chunks_per_split * gpc if unit_sz else 0   # groups per unit whose scales and zeros one copy brings
-  xr = x_reuse if x_reuse > 1 else 0
-  if xr and (not num_ctas or stream_k or splits != 1 or tiles % xr or n_chunks > 32 or "nox" in ablations):
-    raise ValueError(f"w4a16 mosaic_sm90: x_reuse {x_reuse} needs the persistent grid, unsplit units (got {splits} "
-                     f"splits{', stream-K' if stream_k else ''}), a column tile count ({tiles}) it divides, at most "
-                     f"32 chunks (got {n_chunks}) and no 'nox' ablation.")
-  x_chunks = n_chunks if xr else 0
   sub = int(sub_tiles)
   if sub not in (1, 2, 4):
     raise ValueError(f"w4a16 mosaic_sm90: sub_tiles {sub_tiles} must be 1, 2 or 4.")
   if gated and (n_pad // 2) != tiles * sub * SUB_N:
     raise ValueError(f"w4a16 mosaic_sm90: gated {tiles} tiles of {sub} sub-tiles do not cover {n_pad // 2} columns.")
   n_sub = NUM_CONSUMERS * sub                      # 64-column sub-tiles of a unit: v = w * sub + r for consumer w
-  need = smem_bytes(block_m, group, stages, convert, fma, ug, x_chunks, sub)
+  need = smem_bytes(block_m, group, stages, convert, fma, ug, sub)
   if need > SMEM_LIMIT:
     raise ValueError(f"w4a16 mosaic_sm90: {stages} stages at block_m {block_m} need {need} bytes of SMEM (limit "
-                     f"{SMEM_LIMIT}){' with x resident' if xr else ''}; lower num_stages.")
+                     f"{SMEM_LIMIT}); lower num_stages.")
 
   corr = fma and "corr" not in ablations         # the fma fold's correction wgmma
   # the arrivals that complete a stage: one per copy (words per consumer, x, X of the fma's correction; scales
   # and zeros per consumer unless they come per unit), or the converter's one in place of the scales and zeros
-  n_loaded = n_sub + (0 if xr else 1 + fma) + (1 if convert else 0 if unit_sz else 2 * n_sub)
+  n_loaded = n_sub + 1 + fma + (1 if convert else 0 if unit_sz else 2 * n_sub)
   sz_shape = (2, n_sub, ug, SUB_N) if unit_sz else (stages, n_sub, gpc, SUB_N)
   scratch = dict(
       ring_w=plgpu.SMEM((stages, n_sub, WORD_ROWS, SUB_N), jnp.int32, transforms=_W_SWZ),
       ring_s=plgpu.SMEM(sz_shape, jnp.float16),       # per stage, or per unit (two units) with unit_scales
       ring_z=plgpu.SMEM(sz_shape, jnp.uint8),
-      # x per stage, or (x_reuse) the block's x resident, one slot per chunk
-      ring_x=plgpu.SMEM((n_chunks if xr else stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
+      ring_x=plgpu.SMEM((stages, block_m, layout.CHUNK_K), jnp.bfloat16, transforms=_X_SWZ),
       xch=plgpu.SMEM((sub, SUB_N, block_m), jnp.float32),               # the up accumulators, gated epilogue
       # the copies of a stage (weights, x; scales and zeros too unless the producer converts them, then its one
       # arrival after converting)
@@ -490,12 +474,9 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       scratch["unit_free"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2)
   if fma:
     scratch["ring_eb"] = plgpu.SMEM((stages, n_sub, gpc, SUB_N), jnp.bfloat16)       # -e per group, column
-    scratch["ring_xs"] = plgpu.SMEM((n_chunks if xr else stages, block_m, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
+    scratch["ring_xs"] = plgpu.SMEM((stages, block_m, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
     if not on_gpu:
       scratch["corr_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, CORR_K), jnp.bfloat16, transforms=_XS_SWZ)
-  if xr:
-    scratch["x_loaded"] = plgpu.Barrier(num_arrivals=1 + fma, num_barriers=n_chunks)
-    scratch["x_free"] = plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=n_chunks)
   if not on_gpu:
     scratch["a_smem"] = plgpu.SMEM((NUM_CONSUMERS, SUB_N, ppw * PLANE), jnp.bfloat16, transforms=_X_SWZ)
   names = list(scratch)
@@ -548,18 +529,12 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
       active = True
     elif persistent:
       # CTA c runs units c, c + G, ... of the blocks in use; the ring and its barrier phases run on across units,
-      # so the next unit's loads overlap this unit's last chunks and its epilogue. With x_reuse it runs super-units
-      # c, c + G, ... instead, each its R units in a row (splits == 1: unit = block * tiles + column tile)
+      # so the next unit's loads overlap this unit's last chunks and its epilogue
       cta = lax.axis_index("c")
-      supers = tiles // xr if xr else 1                 # super-units per block
-      my_units = jnp.maximum(counts_ref[0] * units_per_block // (xr or 1) - cta + num_ctas - 1, 0) // num_ctas
-      my_units = my_units * (xr or 1)
+      my_units = jnp.maximum(counts_ref[0] * units_per_block - cta + num_ctas - 1, 0) // num_ctas
 
       def nth_unit(i):
-        if not xr:
-          return unit(cta + i * num_ctas)
-        su = cta + (i // xr) * num_ctas
-        return unit((su // supers) * tiles + lax.rem(su, supers) + supers * lax.rem(i, xr))
+        return unit(cta + i * num_ctas)
 
       def for_each_unit(fn):
         """fn(unit info, chunks before it, its ordinal) -> its chunks; returns (chunks, units)."""
@@ -636,16 +611,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(b * block_m, block_m), pl.ds(c * CORR_K, CORR_K)],
                                     r["ring_xs"].at[dst], bar)
 
-        def x_copies(b, c, ordinal):
-          """x_reuse, a super-unit's first unit: chunk c's resident x slot, once the last super-unit's consumers
-          are done with it."""
-          pl.when(ordinal >= xr)(lambda: plgpu.barrier_wait(r["x_free"].at[c]))
-          if "compute_only" in ablations:
-            for _ in range(1 + fma):
-              plgpu.barrier_arrive(r["x_loaded"].at[c])
-            return
-          copy_x(b, c, c, r["x_loaded"].at[c])
-
         def produce(info, first, ordinal):
           b, p, _, expert, c_lo, n_steps = info
           if unit_sz:
@@ -660,12 +625,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
             def _():
               plgpu.barrier_wait(consumed.at[slot])
 
-            def new_x():                            # x_reuse: a super-unit's first unit brings the block's x
-              if xr:
-                pl.when(lax.rem(ordinal, xr) == 0)(lambda: x_copies(b, c, ordinal))
-
             if "compute_only" in ablations:     # the arrivals the copies would make, no bytes
-              new_x()
               for _ in range(n_loaded):
                 plgpu.barrier_arrive(loaded.at[slot])
               return ()
@@ -683,7 +643,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               if not unit_sz and "nosz" not in ablations:
                 plgpu.copy_gmem_to_smem(s_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_s.at[slot, v], sz_bar)
                 plgpu.copy_gmem_to_smem(z_ref.at[expert, pl.ds(c * gpc, gpc), col], ring_z.at[slot, v], sz_bar)
-            if "nox" not in ablations and not xr:
+            if "nox" not in ablations:
               copy_x(b, c, slot, loaded.at[slot])
             if convert:
               # chunk g - 1's scales and zeros have had one chunk's copies' time to land (with unit_scales: the
@@ -691,9 +651,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               prev_uslot = lax.rem(ordinal + jnp.where(i > 0, 2, 1), 2)
               prev_idx = jnp.where(i > 0, i - 1, chunks_per_split - 1)
               pl.when(g > 0)(lambda: convert_stage(g - 1, prev_uslot, prev_idx))
-            # after chunk g - 1's conversion: with one chunk a unit, the consumers free this chunk's x slot only
-            # once they have chunk g - 1, whose stage the conversion completes
-            new_x()
             return ()
 
           lax.fori_loop(0, n_steps, step, ())
@@ -706,9 +663,6 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           @pl.when(total + i >= stages)
           def _():
             plgpu.barrier_wait(consumed.at[lax.rem(total + i, stages)])
-        if xr:                        # and of the last super-unit's x slots
-          for c in range(n_chunks):
-            pl.when(total > 0)(lambda: plgpu.barrier_wait(r["x_free"].at[c]))
         if unit_sz and not convert:   # and of the last two units' scales and zeros
           for j in range(2):
             @pl.when((n_units + j >= 2) & (total > 0))
@@ -788,25 +742,17 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           if own_unit_sz:
             pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
 
-          # x_reuse: the super-unit's first unit waits for each chunk's resident x, its last frees it
-          x_first = xr and lax.rem(ordinal, xr) == 0
-          x_last = xr and lax.rem(ordinal, xr) == xr - 1
-
           def release(g, c):
-            """Chunk c (ring position g) is done: its stage back to the producer (and its x slot, x_reuse)."""
+            """Chunk c (ring position g) is done: its stage back to the producer."""
             plgpu.barrier_arrive(consumed.at[lax.rem(g, stages)])
-            if xr:
-              pl.when(x_last)(lambda: plgpu.barrier_arrive(r["x_free"].at[c]))
 
           def run(*acc_refs):
             def step(i, _):
               g = first + i
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(loaded.at[slot])
-              if xr:
-                pl.when(x_first)(lambda: plgpu.barrier_wait(r["x_loaded"].at[i]))
               for t, acc_ref in enumerate(acc_refs):      # sub-tile t + 1 decodes while t's products run
-                chunk_products(acc_ref, slot, uslot, i, i if xr else slot, w * sub + t)
+                chunk_products(acc_ref, slot, uslot, i, slot, w * sub + t)
                 if overlap or t < sub - 1:
                   # sub-tile t's products stay in flight while the next one (of this chunk, or with the overlap
                   # of chunk i + 1) decodes: wait only for the previous one's (one wgmma group per plane), so at
@@ -958,7 +904,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   min_stages = 3 if convert else 2                # the producer's conversion runs one chunk behind its copies
   # fewer sub-tiles where the gate half's do not pair up into whole tiles, or where the ring would be too shallow
   while sub > 1 and ((gated and (w.n_pad // 2) % (SUB_N * sub))
-                     or smem_bytes(block_m, w.group_size, min_stages, convert, fma, 0, 0, sub) > SMEM_LIMIT):
+                     or smem_bytes(block_m, w.group_size, min_stages, convert, fma, 0, sub) > SMEM_LIMIT):
     sub //= 2
   if gated:
     tiles = (w.n_pad // 2) // (SUB_N * sub)
@@ -1000,20 +946,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   # consumers free a unit's slot at its end, so with units shorter than the ring the producer could run only two
   # units ahead (the producer's own conversion frees it sooner)
   unit_scales = (bool(cfg["unit_scales"]) and not stream_k and n_chunks % cps == 0 and (convert or cps >= stages)
-                 and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc, 0, sub) <= SMEM_LIMIT)
-  x_reuse = int(cfg["x_reuse"])
-  use_x = x_reuse > 1 and num_ctas and not stream_k and splits == 1 and tiles % x_reuse == 0 and n_chunks <= 32
-  if use_x:
-    # the block's x resident beside the ring and unit_scales as chosen: the deepest ring that fits, if it is
-    # at least x_reuse_min_stages deep (an explicit num_stages must fit as it is)
-    ug = cps * gpc if unit_scales else 0
-    x_stages = cfg["num_stages"] or default_stages(block_m, w.group_size, stages, convert, fma, ug, n_chunks, sub)
-    use_x = (x_stages >= max(int(cfg["x_reuse_min_stages"]), min_stages)
-             and smem_bytes(block_m, w.group_size, x_stages, convert, fma, ug, n_chunks, sub) <= SMEM_LIMIT)
-  if use_x:
-    stages = x_stages
-  else:
-    x_reuse = 1
+                 and smem_bytes(block_m, w.group_size, stages, convert, fma, cps * gpc, sub) <= SMEM_LIMIT)
   extra = ()
   if x_in_block_order:
     xb = x.astype(jnp.bfloat16)
@@ -1051,7 +984,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
-                      stream_k=slots if stream_k else 0, x_reuse=x_reuse, sub_tiles=sub)
+                      stream_k=slots if stream_k else 0, sub_tiles=sub)
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
   # (NumPy for a dense call's blocks, routing.dense_blocks: a constant of the program, not a ~1 µs kernel)
   xp = np if isinstance(block_expert, np.ndarray) and isinstance(row_token, np.ndarray) else jnp

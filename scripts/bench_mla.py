@@ -319,8 +319,9 @@ def main(argv=None):
         continue
       nbytes = total * cache_bytes_per_token(dtype)
       if name == "mosaic_sm90":
-        kernel = mosaic_sm90.choose_kernel(sq * h, dtype == "fp8_e4m3", "auto" if kernel == STEP else kernel) + (
-            "+" + STEP if kernel == STEP else "")
+        step = kernel == STEP
+        kernel = mosaic_sm90.choose_kernel(sq * h, dtype == "fp8_e4m3", "auto" if step else kernel)
+        kernel += f"+{STEP}" if step else ""
       name = _label(name, kernel)
       rec = dict(backend=name, b=b, h=h, L=L, sq=sq, dtype=dtype, lengths=lengths, sum_len=total,
                  us=sec * 1e6, gbps=nbytes / sec / 1e9, tflops=FLOPS_PER_QK_TOKEN * sq * h * total / sec / 1e12,

@@ -439,6 +439,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
                     half=HALF)
 
+    if producers == 2:
+      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
+
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
       plgpu.set_max_registers(plan.registers[1] if pd else 232, action="increase")
@@ -574,8 +577,6 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       def _():
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
-    if producers == 2:
-      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))
 
@@ -608,10 +609,10 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   """Which of the backend's three kernels runs: "swapped" (mosaic_sm90.py; tokens on wgmma M, <= 32 rows per CTA),
   "rows" (mosaic_sm90_rows.py; 64 query rows per CTA on wgmma M) or "seesaw" (mosaic_sm90_seesaw.py; 64 rows per
   CTA as rows, FlashMLA's staggered two-page schedule). "auto", when Sq * H is a multiple of 64 (h64 / h128
-  decode: no padded rows): seesaw for both caches (H100, jax 0.11.2, b128 h128 L4096, CUPTI kernel: bf16 seesaw 287 us
-  vs rows 309; fp8 at 51d1294, seesaw with its default L2 prefetch 357.8 vs rows 376.0, b64 186.7 vs 190.9, Sq 2
-  715.0 vs 733.2; NOTES.md); otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs 163 fp8). Forcing "rows" or
-  "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed and dropped)."""
+  decode: no padded rows): seesaw for both caches (H100, jax 0.11.2, b128 h128 L4096, CUPTI kernel: bf16 seesaw 287
+  us vs rows 309; fp8 at 51d1294, seesaw with its default L2 prefetch 357.8 vs rows 376.0, b64 186.7 vs 190.9, Sq 2
+  715.0 vs 733.2; NOTES.md); otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs
+  163 fp8). Forcing "rows" or "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed and dropped)."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":
@@ -687,6 +688,8 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   module = ROWS_KERNELS[kernel]
   plan = module.make_plan(sq * heads, num_sms=_num_sms(), num_parts=num_parts, num_stages=num_stages, fp8=fp8,
                           **rows_plan)
+  if interpret:
+    gpu_interpret.check_cpu_threads(module.NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
   call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
@@ -739,8 +742,6 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError(f"mosaic_sm90 supports bfloat16 and fp8_e4m3 caches, got {cache.dtype}")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"mosaic_sm90 needs bfloat16 q, got {q.dtype}")
-  if interpret:   # (the swapped kernel with two producers checks its 4 warpgroups below)
-    gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   batch, sq, heads, _ = q.shape
   fp8 = cache.dtype == "fp8_e4m3"
   which = choose_kernel(sq * heads, fp8, kernel)
@@ -771,7 +772,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers)
   if interpret:
-    gpu_interpret.check_cpu_threads(plan.num_warpgroups)
+    gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
                                                 interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the

@@ -165,8 +165,8 @@ def page_ahead(bt_ref, b, j, num_pages: int):
 
 
 def check_l2_prefetch(value, limit: int, unit: str) -> int:
-  """A producer's l2_prefetch setting: None -> 0 (off), else an int in [0, limit] (of `unit`s ahead)."""
-  value = 0 if value is None else value
+  """A producer's l2_prefetch setting (its make_plan resolved None to its default): an int in [0, limit] (of
+  `unit`s ahead; 0: off)."""
   if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
     raise ValueError(f"l2_prefetch is a number of {unit} in [0, {limit}] (0: off), got {value!r}")
   return value

@@ -673,8 +673,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
         if on_gpu:
           plgpu.set_max_registers(consumer_registers, action="increase")
 
-        def chunk_products(acc_ref, slot, uslot, idx, xslot, v):
-          """acc_ref += sub-tile v's products of the chunk in ring stage `slot` (x in ring_x slot xslot)."""
+        def chunk_products(acc_ref, slot, uslot, idx, v):
+          """acc_ref += sub-tile v's products of the chunk in ring stage `slot` (its words, x and scales)."""
           if "load_only" in ablations:
             return
           biases, scales = [], []       # per group, broadcast to one operand: 128 + z (or fma's c), and s
@@ -718,7 +718,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
 
           weights = arrays if "fold" in ablations else [folded(i, a) for i, a in enumerate(arrays)]
           for i, a in enumerate(weights):
-            xt = ring_x.at[xslot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))    # [32 ppw, bm]
+            xt = ring_x.at[slot, :, pl.ds(i * ppw * PLANE, ppw * PLANE)].transpose((1, 0))    # [32 ppw, bm]
             if on_gpu:
               plgpu.wgmma(acc_ref, a, xt)
             else:
@@ -726,7 +726,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               plgpu.wgmma(acc_ref, r["a_smem"].at[w], xt)
           if corr:
             # acc += (-e) . X: columns (group g, hi / lo) of the chunk, X's rows likewise
-            xst = r["ring_xs"].at[xslot].transpose((1, 0))                                      # [16, bm]
+            xst = r["ring_xs"].at[slot].transpose((1, 0))                                      # [16, bm]
             if on_gpu:
               plgpu.wgmma(acc_ref, _corr_operand_gpu(gpc)(r["ring_eb"].at[slot, v]), xst)
             else:
@@ -742,8 +742,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
           if own_unit_sz:
             pl.when(n_steps > 0)(lambda: plgpu.barrier_wait(r["unit_loaded"].at[uslot]))
 
-          def release(g, c):
-            """Chunk c (ring position g) is done: its stage back to the producer."""
+          def release(g):
+            """The chunk at ring position g is done: its stage back to the producer."""
             plgpu.barrier_arrive(consumed.at[lax.rem(g, stages)])
 
           def run(*acc_refs):
@@ -752,7 +752,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(loaded.at[slot])
               for t, acc_ref in enumerate(acc_refs):      # sub-tile t + 1 decodes while t's products run
-                chunk_products(acc_ref, slot, uslot, i, slot, w * sub + t)
+                chunk_products(acc_ref, slot, uslot, i, w * sub + t)
                 if overlap or t < sub - 1:
                   # sub-tile t's products stay in flight while the next one (of this chunk, or with the overlap
                   # of chunk i + 1) decodes: wait only for the previous one's (one wgmma group per plane), so at
@@ -760,16 +760,16 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                   # last, so its slot goes back
                   plgpu.wgmma_wait(layout.NIBBLES // ppw + corr)
                   if overlap and t == 0:
-                    pl.when(i > 0)(lambda: release(g - 1, i - 1))
+                    pl.when(i > 0)(lambda: release(g - 1))
               if not overlap:
                 plgpu.wgmma_wait(0)
-                release(g, i)
+                release(g)
               return ()
 
             lax.fori_loop(0, n_steps, step, ())
             if overlap:
               plgpu.wgmma_wait(0)
-              pl.when(n_steps > 0)(lambda: release(first + n_steps - 1, n_steps - 1))
+              pl.when(n_steps > 0)(lambda: release(first + n_steps - 1))
             if own_unit_sz:     # every chunk's scales are in registers or consumed: the unit slot is free
               pl.when(n_steps > 0)(lambda: plgpu.barrier_arrive(r["unit_free"].at[uslot]))
             return tuple(acc_ref[...] for acc_ref in acc_refs)

@@ -612,7 +612,8 @@ def choose_kernel(rows: int, fp8: bool, kernel: str = "auto") -> str:
   decode: no padded rows): seesaw for both caches (H100, jax 0.11.2, b128 h128 L4096, CUPTI kernel: bf16 seesaw 287
   us vs rows 309; fp8 at 51d1294, seesaw with its default L2 prefetch 357.8 vs rows 376.0, b64 186.7 vs 190.9, Sq 2
   715.0 vs 733.2; NOTES.md); otherwise swapped (H200, the same shape: rows 428 vs swapped 202 TFLOP/s bf16, 281 vs
-  163 fp8). Forcing "rows" or "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed and dropped)."""
+  163 fp8). Forcing "rows" or "seesaw" pads the rows to a multiple of 64 with zero queries (the padding is computed
+  and dropped)."""
   if kernel not in KERNELS:
     raise ValueError(f"mosaic_sm90: kernel must be one of {KERNELS}, got {kernel!r}")
   if kernel == "auto":

@@ -398,7 +398,8 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
   stream_k = S > 0 (routing.stream_k_plan's slot count for these units): the persistent CTAs split the chunks of
   all num_blocks x tiles units evenly, each writing a float32 partial per unit it touches into slot `segment` of
-  [S, rows, N_pad]. sub_tiles: 64-column sub-tiles per consumer (a column tile is 128 sub_tiles columns, gated 64 sub_tiles)."""
+  [S, rows, N_pad]. sub_tiles: 64-column sub-tiles per consumer (a column tile is 128 sub_tiles columns, gated 64
+  sub_tiles)."""
   gpc = layout.CHUNK_K // group                  # quantization groups per chunk
   ppg = group // PLANE                           # planes per group
   ppw = planes_per_wgmma

@@ -120,9 +120,9 @@ def correctness_cases(kind: str):
        dict(l2_prefetch=1)),
       # the swapped kernel (h16 and the like) with its producer converting each fp8 page into an f16 ring
       ("fp8 h16 ragged+0 producer_dequant", "fp8_e4m3", 16, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "swapped",
-       dict(producer_dequant=True, l2_prefetch=4)),
+       dict(producer_dequant=True, producers=1, l2_prefetch=4)),
       ("fp8 h16 b48 many seqs/part producer_dequant", "fp8_e4m3", 16, 1, ragged(48, 1500), "swapped",
-       dict(producer_dequant=True, l2_prefetch=4)),
+       dict(producer_dequant=True, producers=1, l2_prefetch=4)),
       ("fp8 h20 sq2 producer_dequant causal", "fp8_e4m3", 20, 2, [1, 2, 0] + ragged(4, 700), "swapped",
        dict(producer_dequant=True, l2_prefetch=4)),
       ("fp8 h32 b2 L8192 producer_dequant", "fp8_e4m3", 32, 1, [8192, 8000], "swapped",
@@ -302,12 +302,12 @@ def timing_variants():
       # the swapped kernel's producer converting each fp8 page into an f16 ring (the compute warpgroups' chain
       # without its dequantization, two f16 slots), with 0 to 8 pages prefetched into L2; fp8 h16's floor is 80.6 µs
       *((f"fp8_e4m3 h16 producer_dequant l2 {a}", *base, False, "mosaic_sm90",
-         dict(kernel="swapped", producer_dequant=True, l2_prefetch=a)) for a in (0, 2, 4, 8)),
+         dict(kernel="swapped", producer_dequant=True, producers=1, l2_prefetch=a)) for a in (0, 2, 4, 8)),
       ("fp8_e4m3 h16 producer_dequant l2 4 ragged[1..2L]", *base, True, "mosaic_sm90",
-       dict(kernel="swapped", producer_dequant=True, l2_prefetch=4)),
+       dict(kernel="swapped", producer_dequant=True, producers=1, l2_prefetch=4)),
       ("fp8_e4m3 h16 b32 L16384", "fp8_e4m3", 16, 1, 32, 16384, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h16 b32 L16384 producer_dequant l2 4", "fp8_e4m3", 16, 1, 32, 16384, False, "mosaic_sm90",
-       dict(kernel="swapped", producer_dequant=True, l2_prefetch=4)),
+       dict(kernel="swapped", producer_dequant=True, producers=1, l2_prefetch=4)),
       ("fp8_e4m3 h16 sq2 producer_dequant l2 4", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=True, l2_prefetch=4)),
       ("fp8_e4m3 h32", "fp8_e4m3", 32, 1, 128, 4096, False, "mosaic_sm90", {}),

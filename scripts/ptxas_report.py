@@ -156,7 +156,9 @@ def report(case: dict, timeout: int) -> dict:
     k["ptx"] = h
   out = dict(case=case, ok=run.returncode == 0, seconds=round(time.perf_counter() - t0, 1), kernels=kernels)
   if run.returncode:
-    out["error"] = text.strip().splitlines()[-1][:500] if text.strip() else f"exit {run.returncode}"
+    # The exception's own line, not the traceback-filtering note JAX prints after it.
+    errors = [line for line in text.splitlines() if re.match(r"\w*(Error|Exception): ", line)]
+    out["error"] = (errors or text.strip().splitlines() or [f"exit {run.returncode}"])[-1][:500]
   return out
 
 

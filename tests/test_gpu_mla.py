@@ -107,13 +107,14 @@ def test_seesaw_l2_prefetch_vs_float64(dtype, ahead, crossover, heads, sq, causa
     (20, 2, True, LENS),                                    # 40 rows: two groups of 32 (the page loaded by halves)
 ])
 def test_swapped_producer_dequant_vs_float64(ahead, heads, sq, causal, lens):
-  """The swapped kernel with producer_dequant (its producer converts each fp8 page into a 2-slot f16 ring) and an
+  """The swapped kernel with producer_dequant (one producer converts each fp8 page into a 2-slot f16 ring) and an
   L2 prefetch: zero / odd / page-boundary lengths on a NaN-poisoned cache."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + ahead, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
-                              producer_dequant=True, l2_prefetch=ahead), c, t, n))(q, cache, table, lens_a)
+                              producer_dequant=True, producers=1, l2_prefetch=ahead), c, t, n))(q, cache, table,
+                                                                                                 lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 

@@ -254,7 +254,7 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
 @pytest.mark.parametrize("seed,lens,kw", [
     (3, [130, 2], dict(num_stages=2)),      # a 2-slot fp8 ring that wraps (3 pages in one share), dequant + swap
     # producer_dequant: the producer's stores into the 2-slot f16 ring against both compute warpgroups' reads
-    (5, [330, 2], dict(kernel="swapped", producer_dequant=True)),
+    (5, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=1)),
     # two producers, each storing one latent half of every page into the ring, the first also its rope by TMA
     (6, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=2)),
 ])
@@ -353,22 +353,27 @@ def test_rows_kernel_schedule_matches_its_shares():
 
 def test_plan_defaults():
   """The measured defaults: the fp8 seesaw prefetches 1 page pair into L2 (not with crossover, not for bf16); the
-  swapped kernel's producer converts fp8 pages from 32 rows per CTA (h20, h32, h16 Sq 2), with 2 pages prefetched."""
+  swapped kernel's producer converts fp8 pages from 16 rows per CTA (h16, h20, h32, h16 Sq 2), with 2 pages
+  prefetched, split between two producers at 16 rows."""
   seesaw = ms.mosaic_sm90_seesaw
   assert seesaw.make_plan(128, num_sms=132, fp8=True).l2_prefetch == seesaw.DEFAULT_L2_PREFETCH == 1
   assert seesaw.make_plan(128, num_sms=132, fp8=False).l2_prefetch == 0
   assert seesaw.make_plan(128, num_sms=132, fp8=True, crossover=True).l2_prefetch == 0
   assert seesaw.make_plan(128, num_sms=132, fp8=True, l2_prefetch=0).l2_prefetch == 0
-  for rows, on in ((32, True), (20, True), (40, True), (16, False), (8, False), (1, False)):
+  for rows, on, producers in ((32, True, 1), (20, True, 1), (40, True, 1), (16, True, 2), (9, True, 2),
+                              (8, False, 1), (1, False, 1)):
     plan = ms.make_plan(rows, True)
     assert (plan.producer_dequant, plan.l2_prefetch) == ((True, ms.DEFAULT_L2_PREFETCH_PAGES) if on else (False, 0))
+    assert plan.producers == producers, rows
   plan = ms.make_plan(32, False)
   assert (plan.producer_dequant, plan.l2_prefetch) == (False, 0)
   plan = ms.make_plan(32, True, producer_dequant=False)
   assert (plan.producer_dequant, plan.l2_prefetch) == (False, 0)
   plan = ms.make_plan(16, True, producer_dequant=True)
   assert (plan.producer_dequant, plan.l2_prefetch) == (True, ms.DEFAULT_L2_PREFETCH_PAGES)
-  assert ms.make_plan(32, True, rows_per_cta=16).producer_dequant is False      # 16 rows per CTA, 2 groups
+  two = ms.make_plan(32, True, rows_per_cta=16)                                 # 16 rows per CTA, 2 groups
+  assert (two.n, two.producer_dequant, two.producers) == (16, True, 2)
+  assert ms.make_plan(16, True, producer_dequant=False).producers == 1
   with pytest.raises(ValueError, match="needs producer_dequant"):
     ms.make_plan(32, True, producer_dequant=False, l2_prefetch=2)
 
@@ -651,7 +656,7 @@ def test_swapped_producer_dequant_interpret(heads, sq, lens, causal, parts, ahea
   q, cache, table, lens_a = random_problem(len(lens) + heads + ahead, lens=lens, sq=sq, heads=heads,
                                            dtype="fp8_e4m3")
   out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
-                        producer_dequant=True, l2_prefetch=ahead)
+                        producer_dequant=True, producers=1, l2_prefetch=ahead)    # one producer (two: below)
   res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
   assert res["ok"], res
 
@@ -679,8 +684,8 @@ def test_swapped_producer_dequant_rejects():
     with pytest.raises(ValueError, match="l2_prefetch is a number of pages"):
       ms.make_plan(16, True, producer_dequant=True, l2_prefetch=bad)
   with pytest.raises(ValueError, match="needs producer_dequant"):
-    ms.make_plan(16, True, l2_prefetch=2)
-  plan = ms.make_plan(16, True, producer_dequant=True)
+    ms.make_plan(8, True, l2_prefetch=2)                                # off by default at 8 rows
+  plan = ms.make_plan(16, True, producer_dequant=True, producers=1)
   assert plan.num_stages == 2 and plan.smem_bytes <= ms.SMEM_LIMIT     # two f16 pages, no fp8 slot
   assert (plan.producers, plan.num_warpgroups) == (1, 3)
   two = ms.make_plan(16, True, producer_dequant=True, producers=2)

@@ -111,8 +111,11 @@ MAX_L2_PREFETCH_PAGES = 8
 # make_plan's defaults with an fp8 cache: producer_dequant from 32 rows per CTA, with 2 pages prefetched (jax 0.11.2,
 # 51d1294, b128 L4096, CUPTI kernel. H100: h32 238.1 -> 191.1 us and h16 Sq 2 238.1 -> 194.7 with 4 pages ahead.
 # H200: h32 231.2 -> 183.0 with 2 pages ahead (188.2 with 4), h16 Sq 2 182.4 with 2 (189.3 with 4), h20 233.7 ->
-# 184.1 with 4). At 16 rows it gains nothing (H100 h16: 137.6 off, 139.1 / 149.3 with 2 / 4 ahead): off there
-PRODUCER_DEQUANT_MIN_ROWS = 32
+# 184.1 with 4). At 16 rows one producer gains nothing (H100 h16: 137.6 off, 139.1 / 149.3 with 2 / 4 ahead), two
+# do (H100, 464ff60, b128 L4096, CUPTI kernel: h16 139.4 off -> 132.3 / 134.2 / 144.2 with 1 / 2 / 4 pages ahead,
+# b32 L16384 139.6 -> 134.4), so 16 rows a CTA take two producers; 8 rows gain nothing from them (h8 122.6 / 122.8)
+PRODUCER_DEQUANT_MIN_ROWS = 16
+TWO_PRODUCERS_ROWS = 16
 DEFAULT_L2_PREFETCH_PAGES = 2
 
 
@@ -165,7 +168,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   per output element, which docs/architecture.md §3 admits only under a widened bound; the split keeps P at
   f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
   producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
-  DEFAULT_L2_PREFETCH_PAGES; l2_prefetch otherwise defaults to off.
+  DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
@@ -186,7 +189,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if l2_prefetch and not producer_dequant:
     raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
                      "already streams pages ahead)")
-  producers = 1 if producers is None else producers
+  if producers is None:
+    producers = 2 if producer_dequant and n == TWO_PRODUCERS_ROWS else 1
   if producers not in (1, 2) or isinstance(producers, bool):
     raise ValueError(f"mosaic_sm90: producers must be 1 or 2, got {producers!r}")
   if producers == 2 and not (producer_dequant and n <= 16):
@@ -734,8 +738,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
-  None: on from 32 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
-  (Plan.producers; None: 1).
+  None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
+  (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

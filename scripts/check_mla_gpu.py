@@ -344,6 +344,15 @@ def timing_variants():
       ("fp8_e4m3 h8 producers 2 l2 2", "fp8_e4m3", 8, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2)),
       ("fp8_e4m3 h8", "fp8_e4m3", 8, 1, 128, 4096, False, "mosaic_sm90", {}),
+      # the seesaw kernel writing whole sequences' outputs itself (the default, direct_write) against f32 partials
+      # for the merge to read (every sequence of these uniform-length batches is whole in its share)
+      *((f"{dt} h128{label} merge all", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", direct_write=False))
+        for dt, label, sq, batch, ragged in (("fp8_e4m3", "", 1, 128, False), ("bfloat16", "", 1, 128, False),
+                                             ("fp8_e4m3", " b64", 1, 64, False), ("fp8_e4m3", " sq2", 2, 128, False),
+                                             ("fp8_e4m3", " ragged[1..2L]", 1, 128, True))),
+      ("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
+      ("fp8_e4m3 h128 ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", {}),
   ]
 
 

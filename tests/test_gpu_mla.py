@@ -153,3 +153,22 @@ def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=exchange,
                               early_p0=early_p0), c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,sq,causal,lens", [
+    (128, 1, False, LENS),                                  # short sequences whole in a share, long ones split
+    (64, 2, True, LENS),
+    (128, 1, False, [640] * 12 + [0, 1]),                   # every sequence with pages whole in its share
+])
+def test_seesaw_direct_write_vs_float64(dtype, heads, sq, causal, lens):
+  """The seesaw kernel writing the output of each sequence one share holds whole (bf16 stores from the
+  accumulator's registers; the merge skipping those sequences) gives the bits of merging every partial."""
+  from pallas_kernels.mla_decode import mosaic_sm90
+  q, cache, table, lens_a = random_problem(heads + sq + len(lens) + 41, lens=lens, sq=sq, heads=heads, dtype=dtype)
+  runs = [jax.jit(lambda q, c, t, n, d=d: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", direct_write=d),
+      c, t, n))(q, cache, table, lens_a) for d in (True, False)]
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert_matches_float64(*runs[0], q, cache, table, lens_a, causal)

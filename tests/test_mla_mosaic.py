@@ -17,6 +17,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from pallas_kernels.mla_decode import api
 from pallas_kernels.mla_decode import mosaic_sm90 as ms
 from pallas_kernels.mla_decode.cache import MLAKVCache
+from pallas_kernels.mla_decode.split_kv import schedule_kernel
 from pallas_kernels.testing import compare, random_problem
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 
@@ -760,6 +761,27 @@ def test_seesaw_kernel_interpret(dtype, heads, sq, lens, causal, parts):
   assert lse.dtype == jnp.float32 and lse.shape == (len(lens), heads, sq)
 
 
+@pytest.mark.parametrize("dtype,lens,parts", [
+    ("bfloat16", [70, 0, 5, 64, 1290, 1, 190], 3),   # some sequences whole in a share, one split, one empty
+    ("fp8_e4m3", [64, 0, 1300, 200], 2),
+])
+def test_seesaw_direct_write_is_the_merge(dtype, lens, parts):
+  """direct_write (a share's CTA writes the output of each sequence it holds whole; the merge skips those) gives the
+  same bits as merging every sequence's partials, and the schedule at hand has both kinds of sequence."""
+  q, cache, table, lens_a = random_problem(len(lens) + parts, lens=lens, sq=1, heads=64, dtype=dtype)
+  cu, _, payload = schedule_kernel(jnp.asarray(lens_a), parts, page=64, interpret=True)   # what the call computes
+  cu, payload = np.asarray(cu)[:len(lens) + 1], int(np.asarray(payload)[0])
+  shares = [(b - 1) // payload - a // payload + 1 if b > a else 0 for a, b in zip(cu[:-1], cu[1:])]
+  assert 0 in shares and 1 in shares and max(shares) > 1, shares
+  runs = [run_kernel(q, cache, table, lens_a, False, interpret=True, num_parts=parts, kernel="seesaw",
+                     direct_write=d) for d in (True, False)]
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, False)
+  res = compare(*runs[0], ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
+  assert res["ok"], res
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 def test_seesaw_kernel_interpret_no_races(dtype):
   """Race detector on: 2 shares, one with odd and even segments (the ring's two slots refilled part by part)."""
@@ -864,12 +886,14 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0 and crossover apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="rows", crossover=True)
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
+    call(kernel="swapped", direct_write=False)
   # its schedule is the rows kernel's (same row groups and shares)
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
            for k in ("rows", "seesaw")]

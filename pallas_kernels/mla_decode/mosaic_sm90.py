@@ -706,9 +706,12 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
               _as_rows(q[..., LATENT_DIM:], mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
   if fp8:
     operands += (cache.scale,)
-  o_part, lse2_part = call(*operands, block_table, lens, cu, sched)
+  o_part, lse2_part, *direct = call(*operands, block_table, lens, cu, sched)
+  if direct:         # the seesaw kernel's own output for the sequences one share held whole: [B, G, 64, 512], ..
+    direct = (direct[0].reshape(batch, -1, LATENT_DIM), direct[1].reshape(batch, -1))
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
-                            interpret=bool(interpret), rows_major=True)   # [B, G*64, 512], [B, G*64]
+                            interpret=bool(interpret), rows_major=True,
+                            direct=direct or None)                     # [B, G*64, 512], [B, G*64]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
   lse = jnp.swapaxes(lse[:, :plan.rows].reshape(batch, sq, heads), 1, 2)
   return out, lse
@@ -721,7 +724,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
                registers: dict | None = None, early_p0: bool | None = None,
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
-               producer_dequant: bool | None = None, producers: int | None = None) -> tuple[jax.Array, jax.Array]:
+               producer_dequant: bool | None = None, producers: int | None = None,
+               direct_write: bool | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
@@ -739,7 +743,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
   None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
-  (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1).
+  (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel
+  writes the output of each sequence one share holds whole itself, and the merge runs only for the others
+  (mosaic_sm90_seesaw.Plan.direct_write; None: on).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -758,9 +764,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
-                            **(registers or {}))
-  if registers is not None or early_p0 is not None or crossover is not None:
-    raise ValueError("mosaic_sm90: registers, early_p0 and crossover apply to the seesaw kernel (kernel='seesaw')")
+                            direct_write=direct_write, **(registers or {}))
+  if registers is not None or early_p0 is not None or crossover is not None or direct_write is not None:
+    raise ValueError("mosaic_sm90: registers, early_p0, crossover and direct_write apply to the seesaw kernel "
+                     "(kernel='seesaw')")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers), to the swapped kernel (kernel='seesaw' or 'swapped')")

@@ -72,6 +72,7 @@ TOK = PAGE // 2               # tokens of an fp8 conversion unit
 FP8_TILE = 128                # latent columns per fp8 scale
 SMEM_LIMIT = 227 * 1024
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 NUM_WARPGROUPS = 3
 # barriers: loaded A/B x 2 slots, consumed A/B x 2 slots, qbar, the four hand-offs, lbar
 _NUM_BARRIERS = 14
@@ -119,6 +120,10 @@ class Plan:
   # for those loads and the block table's entry in front of them, one part after another, while the compute
   # warpgroups waited for it; a page already in L2 shortens each wait
   l2_prefetch: int = 0
+  # a sequence that one share holds whole (every one, with uniform lengths and the snapped payload) is normalized
+  # and written as the op's bf16 output by its CTA (FlashMLA's kernel does the same), not as an f32 partial for the
+  # merge to read: the merge then runs only for sequences split over shares
+  direct_write: bool = True
 
   @property
   def n(self) -> int:
@@ -143,7 +148,8 @@ def smem_bytes() -> int:
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False, producer_registers: int | None = None,
               compute_registers: int | None = None, early_p0: bool | None = None,
-              crossover: bool | None = None, l2_prefetch: int | None = None) -> Plan:
+              crossover: bool | None = None, l2_prefetch: int | None = None,
+              direct_write: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -171,15 +177,18 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
-              crossover=crossover, l2_prefetch=l2_prefetch)
+              crossover=crossover, l2_prefetch=l2_prefetch,
+              direct_write=True if direct_write is None else bool(direct_write))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
   """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
   block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
-  E = num_parts + batch: mosaic_sm90_rows.build_call's contract."""
-  g_count, parts, fp8 = plan.groups, plan.num_parts, plan.fp8
+  E = num_parts + batch: mosaic_sm90_rows.build_call's contract. plan.direct_write adds (out bf16 [B, G, 64, 512],
+  lse f32 [B, G, 64] natural log, +inf where no key): a row group of a sequence that one share holds whole is
+  written there, normalized, and not as a partial (split_kv.merge_partials(direct=...) leaves it alone)."""
+  g_count, parts, fp8, direct = plan.groups, plan.num_parts, plan.fp8, plan.direct_write
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E
   causal_rows = bool(causal) and sq > 1
@@ -235,7 +244,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   def body(*refs):
     q_ref, qr_ref, lat_ref, rope_ref = refs[:4]
     sc_ref, refs = (refs[4], refs[5:]) if fp8 else (None, refs[4:])
-    bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *scratch_refs = refs
+    bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref, *refs = refs
+    out_ref, lse_out_ref, scratch_refs = (*refs[:2], refs[2:]) if direct else (None, None, refs)
     r = dict(zip(names, scratch_refs))
     q_smem, ring_lat, ring_rope, pbuf, stats = (r[k] for k in ("q_smem", "ring_lat", "ring_rope", "pbuf", "stats"))
     loaded_a, loaded_b, qbar, lbar = r["loaded_a"], r["loaded_b"], r["qbar"], r["lbar"]
@@ -573,10 +583,24 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             l_sum = l_mine + plgpu.load(stats.at[3 - w], layout=row_layout, optimized=False)
             seen = l_sum > 0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
-            eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
-            o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * rows_of(inv)
-            if w == 0:
-              lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
+            def partial():
+              eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
+              o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * rows_of(inv)
+              if w == 0:
+                lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
+            def final():                          # the merge's output for this row group, written here
+              out_ref[b, grp, :, pl.ds(w * HALF, HALF)] = (acc * rows_of(inv)).astype(out_ref.dtype)
+              if w == 0:
+                lse_out_ref[b, grp] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l_sum, 1.0))) * LN2, jnp.inf)
+
+            if not direct:
+              partial()
+              return
+            whole = (lo == 0) & (hi == cu_ref[b + 1] - cu_ref[b])   # this share holds all of sequence b's pages
+            pl.when(whole)(final)
+            pl.when(jnp.logical_not(whole))(partial)
 
           n_pairs = (hi - lo + 1) // 2
           m_init = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
@@ -601,6 +625,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
   out_type = (jax.ShapeDtypeStruct((entries * g_count, ROWS, LATENT_DIM), jnp.float32),
               jax.ShapeDtypeStruct((entries * g_count, ROWS), jnp.float32))
+  if direct:
+    out_type += (jax.ShapeDtypeStruct((batch, g_count, ROWS, LATENT_DIM), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((batch, g_count, ROWS), jnp.float32))
   cluster = dict(cluster=(2,), cluster_names=("x",)) if xo else {}
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count // n_cluster, parts),

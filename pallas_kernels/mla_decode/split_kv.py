@@ -46,14 +46,25 @@ SEGMENT_PAGES = 2    # what one (share, sequence) segment costs, in pages (fp8 h
 _LN2 = math.log(2.0)
 
 
-def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int,
-                  rows_major: bool = False):
+def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: int, rows_major: bool = False,
+                  direct: bool = False):
+  out_ref, lse_ref = refs[-2:]                       # direct: refs[:2] are the same buffers (aliased)
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
   payload = payload_ref[0]
   p_lo = first // payload
   p_hi = jnp.where(last > first, (last - 1) // payload, p_lo - 1)     # no pages -> no partials
+  if direct:
+    # one share held all of sequence b's pages and its kernel CTA wrote out / lse itself: nothing to merge
+    pl.when(p_hi != p_lo)(functools.partial(_merge_sequence, b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref,
+                                            lse_ref, groups=groups, n=n, rows_major=rows_major))
+  else:
+    _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, groups=groups, n=n,
+                    rows_major=rows_major)
 
+
+def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int,
+                    rows_major: bool):
   def merge(p, carry):
     m, den, acc = carry                                                # [n], [n], [COLS, n]
     e = (p + b) * groups + g
@@ -80,11 +91,16 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, out_ref, lse_ref, *, gro
 
 
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
-                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
+                   groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False,
+                   direct: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
   """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
   (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
-  [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key)."""
+  [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key).
+
+  direct: (out, lse) of those shapes that the kernel already wrote for every sequence one share held whole (its
+  partials are then not written); they are updated in place (aliased) for the other sequences only: those split
+  over shares and those without pages. With uniform lengths every share holds whole sequences and the merge reads
+  and writes nothing."""
   if rows_major:
     _, n, dims = o_part.shape
   else:
@@ -96,20 +112,33 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   def whole(x):
     return pl.BlockSpec(x.shape, lambda b, g, d, _n=x.ndim: (0,) * _n)
 
+  out_specs = [pl.BlockSpec((None, groups * n, LATENT_DIM), lambda b, g, d: (b, 0, 0)),
+               pl.BlockSpec((None, groups * n), lambda b, g, d: (b, 0))]
+  out_shape = [jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
+               jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)]
+  operands, in_specs, aliases = [cu, payload, o_part, lse2_part], [whole(cu), whole(payload), whole(o_part),
+                                                                  whole(lse2_part)], {}
+  if direct is not None:
+    for i, (x, want) in enumerate(zip(direct, out_shape)):
+      if x.shape != want.shape or x.dtype != want.dtype:
+        raise ValueError(f"merge_partials: direct output {i} is {x.dtype}{list(x.shape)}, expected "
+                         f"{want.dtype}{list(want.shape)}")
+      aliases[len(operands)] = i
+      operands.append(x)
+      in_specs.append(out_specs[i])
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major),
+        functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None),
         grid=(batch, groups, LATENT_DIM // COLS),
-        in_specs=[whole(cu), whole(payload), whole(o_part), whole(lse2_part)],
-        out_specs=[pl.BlockSpec((None, groups * n, LATENT_DIM), lambda b, g, d: (b, 0, 0)),
-                   pl.BlockSpec((None, groups * n), lambda b, g, d: (b, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
-                   jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=bool(interpret),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="mla_decode_merge_partials",
-    )(cu, payload, o_part, lse2_part)
+    )(*operands)
 
 
 def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, num_parts: int, page: int,

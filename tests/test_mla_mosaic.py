@@ -361,6 +361,9 @@ def test_plan_defaults():
   assert seesaw.make_plan(128, num_sms=132, fp8=False).l2_prefetch == 0
   assert seesaw.make_plan(128, num_sms=132, fp8=True, crossover=True).l2_prefetch == 0
   assert seesaw.make_plan(128, num_sms=132, fp8=True, l2_prefetch=0).l2_prefetch == 0
+  for fp8 in (False, True):
+    assert seesaw.make_plan(128, num_sms=132, fp8=fp8).direct_write == seesaw.DIRECT_WRITE[fp8]
+    assert seesaw.make_plan(128, num_sms=132, fp8=fp8, direct_write=False).direct_write is False
   for rows, on, producers in ((32, True, 1), (20, True, 1), (40, True, 1), (16, True, 2), (9, True, 2),
                               (8, False, 1), (1, False, 1)):
     plan = ms.make_plan(rows, True)

@@ -708,7 +708,8 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
     operands += (cache.scale,)
   o_part, lse2_part, *direct = call(*operands, block_table, lens, cu, sched)
   if direct:         # the seesaw kernel's own output for the sequences one share held whole: [B, G, 64, 512], ..
-    direct = (direct[0].reshape(batch, -1, LATENT_DIM), direct[1].reshape(batch, -1))
+    out_bits = lax.bitcast_convert_type(direct[0], jnp.bfloat16)           # fp8: bf16 bits as float16
+    direct = (out_bits.reshape(batch, -1, LATENT_DIM), direct[1].reshape(batch, -1))
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), rows_major=True,
                             direct=direct or None)                     # [B, G*64, 512], [B, G*64]
@@ -745,7 +746,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
   (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel
   writes the output of each sequence one share holds whole itself, and the merge runs only for the others
-  (mosaic_sm90_seesaw.Plan.direct_write; None: on).
+  (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

@@ -85,6 +85,12 @@ MAX_L2_PREFETCH = 4
 # H100: 387.7 us off, 357.8 at 1 pair, 364.6 at 2, 384.1 at 3; the rows kernel 376.0. H200: 386.6 off, 358.6 at 1;
 # rows 372.0). Off for bf16 (TMA pages; H100: 301.0 off, 369.7 at 1) and with crossover (not timed together)
 DEFAULT_L2_PREFETCH = 1
+# make_plan's direct_write by cache (fp8?) (jax 0.11.2, a86969c, one H100, b128 h128 L4096, CUPTI, whole call
+# (kernel) µs, merging every sequence -> direct: bf16 331.3 (283.5) -> 321.3 (284.2); fp8 405.2 (357.0) -> 424.1
+# (386.5), b64 207.5 -> 206.8, Sq 2 764.9 -> 754.9, ragged 429.4 -> 432.1. The fp8 kernel's second store path puts
+# two spill loads into warpgroup 0's page-pair loop (SASS; 40 / 72 B spilled against 12 / 40), which costs more than
+# the merge it saves)
+DIRECT_WRITE = {False: True, True: True}
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -122,8 +128,9 @@ class Plan:
   l2_prefetch: int = 0
   # a sequence that one share holds whole (every one, with uniform lengths and the snapped payload) is normalized
   # and written as the op's bf16 output by its CTA (FlashMLA's kernel does the same), not as an f32 partial for the
-  # merge to read: the merge then runs only for sequences split over shares
-  direct_write: bool = True
+  # merge to read: the merge then runs only for sequences split over shares. make_plan's default: on for a bf16
+  # cache, off for fp8 (DIRECT_WRITE)
+  direct_write: bool = False
 
   @property
   def n(self) -> int:
@@ -178,15 +185,16 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
-              direct_write=True if direct_write is None else bool(direct_write))
+              direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
   """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
   block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
-  E = num_parts + batch: mosaic_sm90_rows.build_call's contract. plan.direct_write adds (out bf16 [B, G, 64, 512],
-  lse f32 [B, G, 64] natural log, +inf where no key): a row group of a sequence that one share holds whole is
+  E = num_parts + batch: mosaic_sm90_rows.build_call's contract. plan.direct_write adds (out bf16 [B, G, 64, 512]
+  (with an fp8 cache its bits as float16, the type of the SMEM it leaves from), lse f32 [B, G, 64] natural log, +inf
+  where no key): a row group of a sequence that one share holds whole is
   written there, normalized, and not as a partial (split_kv.merge_partials(direct=...) leaves it alone)."""
   g_count, parts, fp8, direct = plan.groups, plan.num_parts, plan.fp8, plan.direct_write
   entries = parts + batch
@@ -474,6 +482,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
           # segment, or nothing came before)
           bg = b * g_count + grp
+          if direct and fp8 and on_gpu:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last segment's output has left q_smem[w]
           start_q_latent(q_ref, bg, q_smem, qbar, w, fp8, HALF)
           # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
           qr = plgpu.load(qr_ref.at[bg], layout=wgmma_layout, optimized=False)
@@ -591,9 +601,21 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
 
             def final():                          # the merge's output for this row group, written here
-              out_ref[b, grp, :, pl.ds(w * HALF, HALF)] = (acc * rows_of(inv)).astype(out_ref.dtype)
+              o = (acc * rows_of(inv)).astype(jnp.bfloat16)
+              if fp8:                             # out_ref holds the bf16 bits as f16 (q_smem's type)
+                o = lax.bitcast_convert_type(o, jnp.float16)
+              if fp8 and on_gpu:
+                # through this warpgroup's Q half and a TMA store: stores straight from the registers put spill
+                # loads into warpgroup 0's page loop (DIRECT_WRITE); every QK of the segment is done (lbar)
+                q_smem[w] = o
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[w], out_ref.at[b, grp, :, pl.ds(w * HALF, HALF)])
+              else:
+                out_ref[b, grp, :, pl.ds(w * HALF, HALF)] = o
               if w == 0:
-                lse_out_ref[b, grp] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l_sum, 1.0))) * LN2, jnp.inf)
+                # the merge's lse of one partial: its log2-domain lse (as partial() stores it) times ln 2
+                lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+                lse_out_ref[b, grp] = jnp.where(seen, lse2 * LN2, jnp.inf)
 
             if not direct:
               partial()
@@ -619,6 +641,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         return ctr + (jnp.maximum(hi - lo, 0) + 1) // 2
 
       lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      if direct and fp8 and on_gpu:
+        plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):
       pl.when(wg == w)(functools.partial(compute, w))
@@ -626,7 +650,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   out_type = (jax.ShapeDtypeStruct((entries * g_count, ROWS, LATENT_DIM), jnp.float32),
               jax.ShapeDtypeStruct((entries * g_count, ROWS), jnp.float32))
   if direct:
-    out_type += (jax.ShapeDtypeStruct((batch, g_count, ROWS, LATENT_DIM), jnp.bfloat16),
+    out_type += (jax.ShapeDtypeStruct((batch, g_count, ROWS, LATENT_DIM), dt),       # fp8: bf16 bits as f16
                  jax.ShapeDtypeStruct((batch, g_count, ROWS), jnp.float32))
   cluster = dict(cluster=(2,), cluster_names=("x",)) if xo else {}
   return plgpu.kernel(

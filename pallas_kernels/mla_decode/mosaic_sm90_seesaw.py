@@ -38,6 +38,11 @@ token half of every page part, storing it into its own slot and, at the same off
 stores into the peer and one cluster-wide arrival a part, or Mosaic's st.async); a part is free only when the
 consumers of both CTAs released it (cluster barriers). NOTES.md has the measurements (st.async: 1.8x slower).
 
+Direct write (`Plan.direct_write`; on for a bf16 cache, opt-in for fp8: `DIRECT_WRITE`): a share that holds a
+sequence whole (every one, at uniform lengths) writes its normalized bf16 output and lse itself instead of f32
+partials, and the merge kernel skips it (FlashMLA's scheme); with an fp8 cache the output leaves through the
+warpgroup's Q half of SMEM and a TMA store.
+
 Masks and NaN safety as in the rows kernel: table entries past a sequence's pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the V rows of a partial last page past the length are
 zeroed by select before P.V (bf16: by the warpgroup that reads that half of V, after every QK on the page is done;
@@ -85,12 +90,13 @@ MAX_L2_PREFETCH = 4
 # H100: 387.7 us off, 357.8 at 1 pair, 364.6 at 2, 384.1 at 3; the rows kernel 376.0. H200: 386.6 off, 358.6 at 1;
 # rows 372.0). Off for bf16 (TMA pages; H100: 301.0 off, 369.7 at 1) and with crossover (not timed together)
 DEFAULT_L2_PREFETCH = 1
-# make_plan's direct_write by cache (fp8?) (jax 0.11.2, a86969c, one H100, b128 h128 L4096, CUPTI, whole call
-# (kernel) µs, merging every sequence -> direct: bf16 331.3 (283.5) -> 321.3 (284.2); fp8 405.2 (357.0) -> 424.1
-# (386.5), b64 207.5 -> 206.8, Sq 2 764.9 -> 754.9, ragged 429.4 -> 432.1. The fp8 kernel's second store path puts
-# two spill loads into warpgroup 0's page-pair loop (SASS; 40 / 72 B spilled against 12 / 40), which costs more than
-# the merge it saves)
-DIRECT_WRITE = {False: True, True: True}
+# make_plan's direct_write by cache (fp8?). jax 0.11.2, one H100, CUPTI, whole call (kernel) µs, L4096, merging every
+# sequence -> direct. bf16 b128 h128 (a86969c): 331.3 (283.5) -> 321.3 (284.2): on. fp8 with the output stored from
+# registers (a86969c): b128 405.2 (357.0) -> 424.1 (386.5); its SASS had two spill loads in warpgroup 0's page-pair
+# loop. fp8 through the Q half and a TMA store (71e9901; no spill in either page loop): b128 404.6 (357.0) -> 425.4
+# (388.0), b64 208.9 (187.6) -> 200.7 (184.8), Sq 2 766.0 (685.3) -> 729.0 (675.8), ragged [1, 2L] 429.6 -> 425.0.
+# The b128 kernel's +31 µs (two whole sequences a CTA) is not understood, so fp8 stays off (opt-in) until it is
+DIRECT_WRITE = {False: True, True: False}
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers

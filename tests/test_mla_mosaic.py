@@ -182,6 +182,34 @@ def test_merge_kernel_matches_xla_combine(n, groups):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse).reshape(len(pages), groups * n), rtol=1e-6)
 
 
+def test_merge_kernel_direct_leaves_whole_sequences_alone():
+  """merge_partials(direct=(out, lse)): sequences with exactly one share keep what the kernel wrote there (here a
+  sentinel), the others (split over shares, or without pages) get the plain merge's values; the shapes and dtypes
+  of direct are checked."""
+  rng = np.random.default_rng(7)
+  pages = np.array([3, 0, 1, 7, 2, 0, 4], np.int32)
+  parts, n = 5, 8
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
+  payload = ms.share_pages(cu, parts).reshape(1)
+  e_total = parts + len(pages)
+  o_part = jnp.asarray(rng.standard_normal((e_total, 512, n)).astype(np.float32))
+  lse2 = jnp.asarray((rng.standard_normal((e_total, n)) * 4).astype(np.float32))
+  kw = dict(batch=len(pages), groups=1, out_dtype=jnp.float32, interpret=True)
+  ref_out, ref_lse = ms.merge_partials(o_part, lse2, cu, payload, **kw)
+  sentinel = (jnp.full((len(pages), n, 512), 123.0, jnp.float32), jnp.full((len(pages), n), -5.0, jnp.float32))
+  out, lse = ms.merge_partials(o_part, lse2, cu, payload, direct=sentinel, **kw)
+  p = int(payload[0])
+  c = np.asarray(cu)
+  single = np.array([c[b + 1] > c[b] and (c[b + 1] - 1) // p == c[b] // p for b in range(len(pages))])
+  assert single.any() and (~single).any(), (single, p)
+  np.testing.assert_array_equal(np.asarray(out)[single], 123.0)
+  np.testing.assert_array_equal(np.asarray(lse)[single], -5.0)
+  np.testing.assert_array_equal(np.asarray(out)[~single], np.asarray(ref_out)[~single])
+  np.testing.assert_array_equal(np.asarray(lse)[~single], np.asarray(ref_lse)[~single])
+  with pytest.raises(ValueError, match="direct output 0 is bfloat16"):
+    ms.merge_partials(o_part, lse2, cu, payload, direct=(sentinel[0].astype(jnp.bfloat16), sentinel[1]), **kw)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 20, 40, 64, 128, 256])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_plan_fits(rows, fp8):

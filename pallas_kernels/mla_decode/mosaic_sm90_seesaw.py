@@ -200,8 +200,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
   E = num_parts + batch: mosaic_sm90_rows.build_call's contract. plan.direct_write adds (out bf16 [B, G, 64, 512]
   (with an fp8 cache its bits as float16, the type of the SMEM it leaves from), lse f32 [B, G, 64] natural log, +inf
-  where no key): a row group of a sequence that one share holds whole is
-  written there, normalized, and not as a partial (split_kv.merge_partials(direct=...) leaves it alone)."""
+  where no key): a row group of a sequence that one share holds whole is written there, normalized, and not as a
+  partial (split_kv.merge_partials(direct=...) leaves it alone)."""
   g_count, parts, fp8, direct = plan.groups, plan.num_parts, plan.fp8, plan.direct_write
   entries = parts + batch
   scale_log2 = float(softmax_scale) * LOG2E

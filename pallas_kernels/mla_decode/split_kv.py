@@ -116,8 +116,9 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
                pl.BlockSpec((None, groups * n), lambda b, g, d: (b, 0))]
   out_shape = [jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
                jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)]
-  operands, in_specs, aliases = [cu, payload, o_part, lse2_part], [whole(cu), whole(payload), whole(o_part),
-                                                                  whole(lse2_part)], {}
+  operands = [cu, payload, o_part, lse2_part]
+  in_specs = [whole(x) for x in operands]
+  aliases = {}
   if direct is not None:
     for i, (x, want) in enumerate(zip(direct, out_shape)):
       if x.shape != want.shape or x.dtype != want.dtype:

@@ -104,7 +104,10 @@ def compile_sass(case: dict, workdir: str) -> str:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=workdir, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
              JAX_PLATFORMS="cpu")
   report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptxas_report.py")
-  subprocess.run([sys.executable, report, "--one", json.dumps(case)], env=env, capture_output=True, check=True)
+  run = subprocess.run([sys.executable, report, "--one", json.dumps(case)], env=env, capture_output=True, text=True)
+  if run.returncode:
+    errors = [x for x in (run.stdout + run.stderr).splitlines() if re.match(r"\w*(Error|Exception): ", x)]
+    raise RuntimeError(f"{case} did not compile: {(errors or ['exit %d' % run.returncode])[-1]}")
   ptx = sorted(glob.glob(os.path.join(workdir, "*.ptx")))
   if not ptx:
     raise RuntimeError(f"no PTX was dumped for {case}")

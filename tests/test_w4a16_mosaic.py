@@ -421,6 +421,43 @@ def test_sub_tiles_give_the_same_bits(m, sub, extra, monkeypatch):
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
 
 
+@pytest.mark.parametrize("m,k,extra", [(7, 1024, dict(stream_k=False, splits=1)),     # 4 chunks a unit: pairs only
+                                        (16, 1280, dict(stream_k=False, splits=1)),    # 5 chunks: an odd last one
+                                        (24, 1024, {}),                                # stream-K: runs of any length
+                                        (64, 768, dict(overlap=True, stream_k=False))])   # 64-row block, 3 chunks
+def test_unroll_2_gives_the_same_bits(m, k, extra, monkeypatch):
+  """unroll=2 (two chunks a consumer loop body, each with its own A registers) runs the same products in the same
+  order as one chunk a body: the same bits, including odd chunk counts and the overlap at a 64-row block, which it
+  alone allows."""
+  rng = np.random.default_rng(900 + m)
+  q, z, s = rand_awq(rng, k, 384, 64)
+  w = to_device(layout.pack(q, z, s, 64, xp=np))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  base = dict(num_ctas=3, **extra)
+  taken = _record_kernel_args(monkeypatch, "unroll")
+  y0 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, overlap=m <= 32))
+  y1 = api.w4a16_matmul(x, w, backend="mosaic_sm90", interpret=True, config=dict(base, unroll=2))
+  assert taken == [1, 2]
+  assert max_rel(y1, np.asarray(x, np.float64) @ deq64(q, z, s, 64)) < 1e-2
+  np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
+
+
+def test_unroll_2_moe_and_rejects():
+  err, w13 = small_moe_vs_float64(73, dict(unroll=2))
+  assert err < 1.5e-2
+  xs = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+  text = lower_for_cuda(lambda x, w: ms.matmul(x, w, config=dict(unroll=2, num_ctas=132)), xs, first_expert(w13))
+  assert "wgmma" in text
+  x = jnp.zeros((5, 512), jnp.bfloat16)
+  for cfg, match in ((dict(unroll=3), "unroll must be 1 or 2"), (dict(unroll=2, overlap=False), "needs the overlap"),
+                     (dict(unroll=2, sub_tiles=2), "needs the overlap on and sub_tiles 1")):
+    with pytest.raises(ValueError, match=match):
+      ms.matmul(x, first_expert(w13), config=dict(cfg, num_ctas=2), interpret=True)
+  with pytest.raises(ValueError, match="or at any block_m with unroll=2"):
+    ms.matmul(jnp.zeros((64, 512), jnp.bfloat16), first_expert(w13), config=dict(overlap=True, num_ctas=2),
+              interpret=True)
+
+
 def test_sub_tiles_moe_vs_float64_and_lowering(monkeypatch):
   """Both MoE kernels with 2 sub-tiles per consumer (gate|up's gated epilogue hands 2 up accumulators over), also
   unsplit with the producer's conversion and the fma fold; the GPU path lowers at 8- and 64-row blocks."""

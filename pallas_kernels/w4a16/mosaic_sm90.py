@@ -70,7 +70,7 @@ _MAGIC_BITS = 0x4300
 DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consumer_registers=232,
                       producer_registers=40, overlap=None, persistent=True, num_ctas=None,
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
-                      unit_scales=True, stream_k=False, gather_kernel=False, sub_tiles=1)
+                      unit_scales=True, stream_k=False, gather_kernel=False, sub_tiles=1, unroll=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
 # 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
@@ -149,6 +149,14 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # keeps at most one sub-tile's wgmmas in flight, so the A registers held are those of two sub-tiles, as the overlap
 # (block_m <= 32) holds two chunks' today; without it nothing stays in flight across the chunk loop's back edge.
 # Opt-in; the MoE's default from 16 tokens where it takes 8-row blocks (moe_config; NOTES v18).
+# unroll = 2 (opt-in, with the overlap and one sub-tile): a consumer's loop body holds two chunks, each decoded into
+# its own A registers. With one chunk a body the overlap decodes chunk i + 1 into the registers chunk i's in-flight
+# wgmmas read (PTX: undefined; scripts/sass_wgmma_hazards.py finds ~225 such writes per consumer loop at every block
+# size, NOTES v22), and 64-row blocks gave wrong results with it; with two, chunk i's groups are retired before
+# chunk i + 2's decode reuses its registers: 0 such writes in the SASS, and ptxas (CUDA 13.0) keeps the overlap at
+# 16 and 32 rows; at 64 rows (not enough registers for two sets) and in the MoE at 8-row blocks it serializes
+# every wgmma instead (its C7512 / C7513 notes). The overlap at 64-row blocks is allowed with it. Not yet timed or
+# run on a GPU.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
@@ -394,7 +402,7 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                  consumer_registers: int, producer_registers: int, overlap: bool, num_ctas: int, interpret: bool,
                  planes_per_wgmma: int = 1, ablate: str | None = None, convert_in_producer: bool = False,
                  fold: str = "sub_mul", unit_scales: bool = False, stream_k: int = 0,
-                 sub_tiles: int = 1):
+                 sub_tiles: int = 1, unroll: int = 1):
   """The jitted kernel for one static configuration (one trace and lowering per shape, as triton._kernel_call).
   stream_k = S > 0 (routing.stream_k_plan's slot count for these units): the persistent CTAs split the chunks of
   all num_blocks x tiles units evenly, each writing a float32 partial per unit it touches into slot `segment` of
@@ -767,7 +775,15 @@ def _kernel_call(*, num_blocks: int, block_m: int, tiles: int, splits: int, chun
                 release(g)
               return ()
 
-            lax.fori_loop(0, n_steps, step, ())
+            if unroll == 2:
+              # two chunks a body, each with its own A registers; an odd last chunk after the loop
+              lax.fori_loop(0, n_steps // 2, lambda j, c: step(2 * j + 1, step(2 * j, c)), ())
+
+              @pl.when(n_steps % 2 == 1)
+              def _():
+                step(n_steps - 1, ())
+            else:
+              lax.fori_loop(0, n_steps, step, ())
             if overlap:
               plgpu.wgmma_wait(0)
               pl.when(n_steps > 0)(lambda: release(first + n_steps - 1))
@@ -915,12 +931,18 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
     raise ValueError("grouped_matmul: keep_splits returns unweighted partial sums of a plain (not gated) matmul.")
   num_ctas = 0
   overlap = cfg["overlap"]
+  unroll = cfg["unroll"]
+  if unroll not in (1, 2) or isinstance(unroll, bool):
+    raise ValueError(f"w4a16 mosaic_sm90: unroll must be 1 or 2 chunks a consumer loop body, got {unroll!r}.")
   if overlap is None:
     overlap = block_m <= OVERLAP_MAX_BLOCK_M
-  elif overlap and block_m > OVERLAP_MAX_BLOCK_M:
+  elif overlap and block_m > OVERLAP_MAX_BLOCK_M and unroll == 1:
     raise ValueError(f"w4a16 mosaic_sm90: overlap=True at block_m {block_m} gives wrong results on the GPU (measured "
-                     f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}. Leave overlap unset (None) "
-                     f"or pass overlap=False.")
+                     f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}, or at any block_m with "
+                     f"unroll=2. Leave overlap unset (None) or pass overlap=False.")
+  if unroll == 2 and not (overlap and sub == 1):
+    raise ValueError(f"w4a16 mosaic_sm90: unroll=2 gives the overlap of one sub-tile a second set of A registers; it "
+                     f"needs the overlap on and sub_tiles 1 (got overlap={bool(overlap)}, sub_tiles {sub}).")
   if cfg["persistent"]:
     num_ctas = int(cfg["num_ctas"] or (4 if interpret else getattr(jax.devices()[0], "core_count", 132)))
   # explicit K splits take precedence over stream-K
@@ -985,7 +1007,7 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
                       overlap=bool(overlap), num_ctas=num_ctas, interpret=bool(interpret),
                       planes_per_wgmma=int(cfg["planes_per_wgmma"]), ablate=cfg["ablate"],
                       convert_in_producer=convert, fold=cfg["fold"], unit_scales=unit_scales,
-                      stream_k=slots if stream_k else 0, sub_tiles=sub)
+                      stream_k=slots if stream_k else 0, sub_tiles=sub, unroll=unroll)
   # [blocks in use (a prefix, routing.align), then each block's valid rows (a prefix of it): the rows stored]
   # (NumPy for a dense call's blocks, routing.dense_blocks: a constant of the program, not a ~1 µs kernel)
   xp = np if isinstance(block_expert, np.ndarray) and isinstance(row_token, np.ndarray) else jnp

@@ -137,12 +137,24 @@ def ptx_hashes(text: str) -> list[str]:
   return hashes
 
 
-def report(case: dict, timeout: int) -> dict:
+def compile_in_subprocess(case: dict, timeout: int | None = None, **env) -> subprocess.CompletedProcess:
+  """compile_case(case) in a process of its own (its PTX and ptxas report dumped by Mosaic), with `env` added."""
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", **env)
+  return subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def error_line(run: subprocess.CompletedProcess) -> str:
+  """A failed compile's exception line, not the traceback-filtering note JAX prints after it."""
+  text = run.stdout + run.stderr
+  errors = [line for line in text.splitlines() if re.match(r"\w*(Error|Exception): ", line)]
+  return (errors or text.strip().splitlines() or [f"exit {run.returncode}"])[-1][:500]
+
+
+def report(case: dict, timeout: int) -> dict:
   t0 = time.perf_counter()
-  run = subprocess.run([sys.executable, __file__, "--one", json.dumps(case)], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+  run = compile_in_subprocess(case, timeout)
   text = run.stdout + run.stderr
   kernels = []
   for line in text.splitlines():
@@ -156,9 +168,7 @@ def report(case: dict, timeout: int) -> dict:
     k["ptx"] = h
   out = dict(case=case, ok=run.returncode == 0, seconds=round(time.perf_counter() - t0, 1), kernels=kernels)
   if run.returncode:
-    # The exception's own line, not the traceback-filtering note JAX prints after it.
-    errors = [line for line in text.splitlines() if re.match(r"\w*(Error|Exception): ", line)]
-    out["error"] = (errors or text.strip().splitlines() or [f"exit {run.returncode}"])[-1][:500]
+    out["error"] = error_line(run)
   return out
 
 

@@ -101,13 +101,10 @@ def kernel_hazards(text: str) -> list[dict]:
 
 def compile_sass(case: dict, workdir: str) -> str:
   """SASS of the case's kernel: ptxas_report's compile-only build with the PTX dumped, then ptxas and nvdisasm."""
-  env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=workdir, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
-             JAX_PLATFORMS="cpu")
-  report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptxas_report.py")
-  run = subprocess.run([sys.executable, report, "--one", json.dumps(case)], env=env, capture_output=True, text=True)
+  import ptxas_report                  # this folder's: the compile-only build (not needed by the SASS parser)
+  run = ptxas_report.compile_in_subprocess(case, MOSAIC_GPU_DUMP_TO=workdir)
   if run.returncode:
-    errors = [x for x in (run.stdout + run.stderr).splitlines() if re.match(r"\w*(Error|Exception): ", x)]
-    raise RuntimeError(f"{case} did not compile: {(errors or ['exit %d' % run.returncode])[-1]}")
+    raise RuntimeError(f"{case} did not compile: {ptxas_report.error_line(run)}")
   ptx = sorted(glob.glob(os.path.join(workdir, "*.ptx")))
   if not ptx:
     raise RuntimeError(f"no PTX was dumped for {case}")

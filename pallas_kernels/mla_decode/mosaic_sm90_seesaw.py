@@ -208,6 +208,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   causal_rows = bool(causal) and sq > 1
   dt = jnp.float16 if fp8 else jnp.bfloat16      # latent MMAs (Q latent, K/V, P): f16 for fp8 (no fp8 -> bf16 cvt)
   on_gpu = interpret is False or interpret is None
+  tma_out = direct and fp8 and on_gpu             # direct write through the Q half of SMEM and a TMA store
   early_p0 = plan.early_p0 and on_gpu             # interpret mode completes every wgmma as it is issued
   # crossover (fp8): CTA x of a cluster pair converts token half x of every page part and stores it into both CTAs'
   # rings; a part's `loaded` then also counts the peer's two stores, and a part is free only when the consumers of
@@ -488,7 +489,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           # Q of (sequence b, row group grp): both warpgroups are done with the previous Q (lbar of the previous
           # segment, or nothing came before)
           bg = b * g_count + grp
-          if direct and fp8 and on_gpu:
+          if tma_out:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last segment's output has left q_smem[w]
           start_q_latent(q_ref, bg, q_smem, qbar, w, fp8, HALF)
           # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
@@ -600,17 +601,20 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             seen = l_sum > 0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l_sum, 1.0), 0.0)
 
+            def lse2():                           # log2 domain, -inf where no key
+              return jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+
             def partial():
               eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this row group
               o_ref[eg, :, pl.ds(w * HALF, HALF)] = acc * rows_of(inv)
               if w == 0:
-                lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
+                lse_ref[eg] = lse2()
 
             def final():                          # the merge's output for this row group, written here
               o = (acc * rows_of(inv)).astype(jnp.bfloat16)
               if fp8:                             # out_ref holds the bf16 bits as f16 (q_smem's type)
                 o = lax.bitcast_convert_type(o, jnp.float16)
-              if fp8 and on_gpu:
+              if tma_out:
                 # through this warpgroup's Q half and a TMA store: stores straight from the registers put spill
                 # loads into warpgroup 0's page loop (DIRECT_WRITE); every QK of the segment is done (lbar)
                 q_smem[w] = o
@@ -620,8 +624,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 out_ref[b, grp, :, pl.ds(w * HALF, HALF)] = o
               if w == 0:
                 # the merge's lse of one partial: its log2-domain lse (as partial() stores it) times ln 2
-                lse2 = jnp.where(seen, m + jnp.log2(jnp.where(seen, l_sum, 1.0)), -jnp.inf)
-                lse_out_ref[b, grp] = jnp.where(seen, lse2 * LN2, jnp.inf)
+                lse_out_ref[b, grp] = jnp.where(seen, lse2() * LN2, jnp.inf)
 
             if not direct:
               partial()
@@ -647,7 +650,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         return ctr + (jnp.maximum(hi - lo, 0) + 1) // 2
 
       lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
-      if direct and fp8 and on_gpu:
+      if tma_out:
         plgpu.wait_smem_to_gmem(0)
 
     for w in range(2):

@@ -570,14 +570,23 @@ def test_padding_rows_are_never_written():
 
 def test_overlap_only_up_to_32_row_blocks(monkeypatch):
   """overlap (chunk i's wgmmas in flight while chunk i + 1 decodes) gave wrong outputs at block_m 64 on an H200:
-  unset it runs only up to OVERLAP_MAX_BLOCK_M rows per block, and asking for it on larger blocks is refused."""
+  unset it runs only up to OVERLAP_MAX_BLOCK_M rows per block, and asking for it on larger blocks is refused.
+  Unset, it is also off with one sub-tile a consumer (the next chunk's decode would write the A registers of
+  wgmmas in flight) and on with two sub-tiles or two chunks a loop body."""
   block_ms = _record_kernel_args(monkeypatch, "block_m")
   overlaps = _record_kernel_args(monkeypatch, "overlap")
-  w = layout.random_weight(jax.random.PRNGKey(0), (), 512, 128, 64)
+  w = layout.random_weight(jax.random.PRNGKey(0), (), 512, 512, 64)
   for m in (16, 32, 33, 64, 128):
     jax.eval_shape(lambda x: ms.matmul(x, w), jax.ShapeDtypeStruct((m, 512), jnp.bfloat16))
   seen = list(zip(block_ms, overlaps))
-  assert seen == [(16, True), (32, True), (64, False), (64, False), (64, False)]
+  assert seen == [(16, False), (32, False), (64, False), (64, False), (64, False)]
+  for cfg in (dict(sub_tiles=2), dict(unroll=2)):
+    for m in (16, 32, 64):
+      if m == 64 and "unroll" in cfg:
+        continue
+      jax.eval_shape(lambda x: ms.matmul(x, w, config=cfg), jax.ShapeDtypeStruct((m, 512), jnp.bfloat16))
+  seen = list(zip(block_ms, overlaps))[5:]
+  assert seen == [(16, True), (32, True), (64, False), (16, True), (32, True)]
   with pytest.raises(ValueError, match="overlap=True at block_m 64"):
     jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=True)), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16))
   jax.eval_shape(lambda x: ms.matmul(x, w, config=dict(overlap=False)), jax.ShapeDtypeStruct((16, 512), jnp.bfloat16))

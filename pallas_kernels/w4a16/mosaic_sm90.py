@@ -72,7 +72,11 @@ DEFAULT_CONFIG = dict(num_stages=None, target_programs=264, splits=None, consume
                       planes_per_wgmma=1, min_block_m=8, convert_in_producer=False, fold="sub_mul", ablate=None,
                       unit_scales=True, stream_k=False, gather_kernel=False, sub_tiles=1, unroll=1)
 # overlap: a consumer leaves chunk i's wgmmas in flight while it decodes chunk i + 1 (H200, MoE T=64 g64: 2.26 ->
-# 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32. At block_m 64
+# 2.15 ms); False waits for them at the end of each chunk. None (the default): on where block_m <= 32 and a consumer
+# holds two sub-tiles (sub_tiles 2, the MoE's default from 16 tokens) or two chunks a loop body (unroll 2), off with
+# one sub-tile, where it writes the A registers of wgmmas in flight (unroll below) and bought nothing: H100,
+# debca4a, device µs, default (the overlap) -> off: dense 7168x18432 / 18432x7168 g64 M = 1 32.7 / 33.7 -> 32.1 /
+# 33.0, M = 16 32.5 / 32.7 -> 31.9 / 32.1, M = 32 34.7 / 34.2 -> 34.3 / 33.9; MoE T = 1 g64 84.4 -> 83.7. At block_m 64
 # it gave wrong outputs on the H200 (6dee080, dense 7168x18432 M = 64 / 128: every row NaN or off by orders of
 # magnitude, with or without unit_scales, masked stores or K splits, at 2 or 3 stages; overlap=False exact; M = 16
 # / 32 exact either way), which interpret mode cannot show: a race between the in-flight wgmmas and the next
@@ -155,8 +159,8 @@ CORR_K = 16                 # K of the correction wgmma: (group, hi / lo) pairs 
 # size, NOTES v22), and 64-row blocks gave wrong results with it; with two, chunk i's groups are retired before
 # chunk i + 2's decode reuses its registers: 0 such writes in the SASS, and ptxas (CUDA 13.0) keeps the overlap at
 # 16 and 32 rows; at 64 rows (not enough registers for two sets) and in the MoE at 8-row blocks it serializes
-# every wgmma instead (its C7512 / C7513 notes). The overlap at 64-row blocks is allowed with it. Not yet timed or
-# run on a GPU.
+# every wgmma instead (its C7512 / C7513 notes). The overlap at 64-row blocks is allowed with it. H100, debca4a:
+# exact (GPU test), but no faster than the overlap off (dense M <= 32 +0.3-1.3 µs, MoE T = 1 +9 µs): opt-in.
 ABLATIONS = (None, "load_only", "compute_only", "fold", "decode", "words", "scales", "corr", "nox", "nosz")
 OVERLAP_MAX_BLOCK_M = 32
 DENSE_CONFIG = dict(target_programs=1056, stream_k=True)
@@ -935,7 +939,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   if unroll not in (1, 2) or isinstance(unroll, bool):
     raise ValueError(f"w4a16 mosaic_sm90: unroll must be 1 or 2 chunks a consumer loop body, got {unroll!r}.")
   if overlap is None:
-    overlap = block_m <= OVERLAP_MAX_BLOCK_M
+    # on only where it is free of the register hazard (two sub-tiles or two chunks a loop body; see unroll above)
+    overlap = block_m <= OVERLAP_MAX_BLOCK_M and (sub > 1 or unroll == 2)
   elif overlap and block_m > OVERLAP_MAX_BLOCK_M and unroll == 1:
     raise ValueError(f"w4a16 mosaic_sm90: overlap=True at block_m {block_m} gives wrong results on the GPU (measured "
                      f"on an H200); it is allowed up to block_m {OVERLAP_MAX_BLOCK_M}, or at any block_m with "

@@ -353,6 +353,13 @@ def timing_variants():
                                              ("fp8_e4m3", " ragged[1..2L]", 1, 128, True))),
       ("bfloat16 h128", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h128 ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90", {}),
+      # fp8 direct write (opt-in) at b128, where its kernel is ~30 µs slower than merging every partial: with and
+      # without the producer's L2 prefetch, and with 64 shares a row group (each exactly two whole sequences)
+      *((f"fp8_e4m3 h128 {label}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="seesaw", direct_write=d, **extra))
+        for label, d, extra in (("direct", True, {}), ("direct l2_prefetch 0", True, dict(l2_prefetch=0)),
+                                ("direct parts 64", True, dict(num_parts=64)),
+                                ("merge all parts 64", False, dict(num_parts=64)))),
   ]
 
 

@@ -163,12 +163,16 @@ def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens
 ])
 def test_seesaw_direct_write_vs_float64(dtype, heads, sq, causal, lens):
   """The seesaw kernel writing the output of each sequence one share holds whole (bf16 stores from the
-  accumulator's registers; the merge skipping those sequences) gives the bits of merging every partial."""
+  accumulator's registers; the merge skipping those sequences) gives the bits of merging every partial, on the
+  schedule the direct call computes (cuts charged: the merging call alone would pick its own payload)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + len(lens) + 41, lens=lens, sq=sq, heads=heads, dtype=dtype)
-  runs = [jax.jit(lambda q, c, t, n, d=d: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", direct_write=d),
-      c, t, n))(q, cache, table, lens_a) for d in (True, False)]
+  schedule = mosaic_sm90.make_schedule(lens_a, table.shape[1], rows=sq * heads, fp8=dtype == "fp8_e4m3",
+                                       kernel="seesaw")
+  runs = [jax.jit(lambda q, c, t, n, s, d=d: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", direct_write=d,
+                              schedule=s),
+      c, t, n))(q, cache, table, lens_a, schedule) for d in (True, False)]
   for a, b in zip(*runs):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert_matches_float64(*runs[0], q, cache, table, lens_a, causal)

@@ -17,7 +17,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from pallas_kernels.mla_decode import api
 from pallas_kernels.mla_decode import mosaic_sm90 as ms
 from pallas_kernels.mla_decode.cache import MLAKVCache
-from pallas_kernels.mla_decode.split_kv import schedule_kernel
+from pallas_kernels.mla_decode.split_kv import CUT_PAGES_DIRECT, schedule_kernel
 from pallas_kernels.testing import compare, random_problem
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 
@@ -96,52 +96,57 @@ def test_combine_matches_one_softmax():
     np.testing.assert_allclose(lse[b], (m + np.log2(w.sum(0))) * np.log(2), rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,num_parts", [(1, 1), (7, 3), (13, 40), (130, 132), (5, 33)])
-def test_schedule_kernel_matches_xla(batch, num_parts):
+@pytest.mark.parametrize("batch,num_parts,cut", [(1, 1, 0), (7, 3, 0), (13, 40, 0), (130, 132, 0), (5, 33, 0),
+                                               (13, 40, 5), (130, 66, 5)])
+def test_schedule_kernel_matches_xla(batch, num_parts, cut):
   """split_kv.schedule_kernel (Pallas, interpret mode) == schedule (XLA): prefix sums, payload, every share's
   (begin, end, b_first, b_last), with zero-length sequences (also at both ends), lengths past a page boundary,
-  more shares than pages, and a batch over one 128-sequence chunk."""
+  more shares than pages, a batch over one 128-sequence chunk, and cuts charged (cut_pages) or not."""
   rng = np.random.default_rng(batch * 1000 + num_parts)
   lens = rng.integers(0, 700, batch).astype(np.int32)
   lens[rng.random(batch) < 0.3] = 0
   lens[[0, -1]] = 0 if batch > 2 else lens[[0, -1]]
-  cu_ref, sched_ref = (np.asarray(x) for x in ms.schedule(jnp.asarray((lens + 63) // 64), num_parts))
+  cu_ref, sched_ref = (np.asarray(x) for x in ms.schedule(jnp.asarray((lens + 63) // 64), num_parts, cut))
   cu, sched, payload = (np.asarray(x) for x in ms.schedule_kernel(jnp.asarray(lens), num_parts, page=64,
-                                                                  interpret=True))
+                                                                  interpret=True, cut_pages=cut))
   np.testing.assert_array_equal(cu[:batch + 1], cu_ref)
   np.testing.assert_array_equal(sched[:, :num_parts].T, sched_ref)
-  assert payload[0] == np.asarray(ms.share_pages(jnp.asarray(cu_ref), num_parts))
+  assert payload[0] == np.asarray(ms.share_pages(jnp.asarray(cu_ref), num_parts, cut))
 
 
-def _snapped_payload(pages, num_parts):
+def _snapped_payload(pages, num_parts, cut=0):
   """share_pages' rule, written out with exact fractions: the first payload in base .. base + 7 of the lowest
-  payload + 2 * segments / shares."""
+  payload + (2 * segments + cut * cut sequences) / shares, counting a sequence's cuts one by one."""
   from fractions import Fraction
   cu = np.concatenate([[0], np.cumsum(pages)])
   total = int(cu[-1])
   base = max(1, -(-total // num_parts))
   def time(c):
-    segments = sum(int((cu[b + 1] - 1) // c - cu[b] // c + 1) for b in range(len(pages)) if pages[b] > 0)
-    return c + Fraction(2 * segments, max(1, -(-total // c)))
+    shares_of = [int((cu[b + 1] - 1) // c - cu[b] // c + 1) for b in range(len(pages)) if pages[b] > 0]
+    cuts = sum(n - 1 for n in shares_of)
+    return c + Fraction(2 * sum(shares_of) + cut * cuts, max(1, -(-total // c)))
   return min(range(base, base + 8), key=lambda c: (time(c), c))
 
 
-@pytest.mark.parametrize("pages,num_parts,want", [
-    ([64] * 64, 66, 64),          # batch 64 at L4096: one sequence a share instead of 63-page shares
-    ([65] * 64, 66, 65),          # L4097..4160
-    ([64] * 128, 66, 125),        # batch 128: 2-sequence shares (128) would idle 2 SMs a group for less
-    ([64] * 128, 132, 64),        # one head group (h16): one sequence a share
-    ([3, 0, 1, 5, 2], 4, None), ([0] * 5, 7, 1), ([1], 1, 1)])
-def test_split_payload_snaps_to_sequence_ends(pages, num_parts, want):
+@pytest.mark.parametrize("pages,num_parts,cut,want", [
+    ([64] * 64, 66, 0, 64),          # batch 64 at L4096: one sequence a share instead of 63-page shares
+    ([65] * 64, 66, 0, 65),          # L4097..4160
+    ([64] * 128, 66, 0, 125),        # batch 128: 2-sequence shares (128) would idle 2 SMs a group for less
+    ([64] * 128, 66, 5, 128),        # ... unless every cut sequence costs a merge (direct write)
+    ([64] * 64, 66, 5, 64),
+    ([64] * 128, 132, 0, 64),        # one head group (h16): one sequence a share
+    ([3, 0, 1, 5, 2], 4, 0, None), ([3, 0, 1, 5, 2], 4, 5, None), ([0] * 5, 7, 5, 1), ([1], 1, 0, 1)])
+def test_split_payload_snaps_to_sequence_ends(pages, num_parts, cut, want):
   """The payload (XLA reference and schedule kernel) follows share_pages' rule, and for uniform batches takes whole
   sequences where that is cheaper."""
   pages = np.asarray(pages, np.int32)
-  expect = _snapped_payload(pages, num_parts)
+  expect = _snapped_payload(pages, num_parts, cut)
   if want is not None:
     assert expect == want
   cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(jnp.asarray(pages))])
-  assert int(ms.share_pages(cu, num_parts)) == expect
-  _, _, payload = ms.schedule_kernel(jnp.asarray(pages * 64 - 5).clip(0), num_parts, page=64, interpret=True)
+  assert int(ms.share_pages(cu, num_parts, cut)) == expect
+  _, _, payload = ms.schedule_kernel(jnp.asarray(pages * 64 - 5).clip(0), num_parts, page=64, interpret=True,
+                                     cut_pages=cut)
   assert int(payload[0]) == expect
 
 
@@ -152,8 +157,9 @@ def test_split_payload_rule_on_random_batches(seed):
     pages = rng.integers(0, 200, int(rng.integers(1, 70))).astype(np.int32)
     pages[rng.random(len(pages)) < 0.2] = 0
     num_parts = int(rng.integers(1, 133))
+    cut = int(rng.integers(0, 9))
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(jnp.asarray(pages))])
-    assert int(ms.share_pages(cu, num_parts)) == _snapped_payload(pages, num_parts)
+    assert int(ms.share_pages(cu, num_parts, cut)) == _snapped_payload(pages, num_parts, cut)
 
 
 @pytest.mark.parametrize("n,groups", [(8, 1), (32, 3)])
@@ -362,6 +368,21 @@ def test_rows_kernel_interpret_no_races():
   res = compare(out, lse, *f64_reference_abs(q, cache, table, lens, False)[:2],
                 ref_abs=f64_reference_abs(q, cache, table, lens, False)[2])
   assert res["ok"], res
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_seesaw_schedule_charges_cuts(monkeypatch, fp8):
+  """With direct write (the seesaw default) the schedule mla_decode and make_schedule compute charges each cut
+  sequence CUT_PAGES_DIRECT: b128 at 64 pages a sequence on 132 SMs (66 shares a row group at h128) takes 128-page
+  shares of two whole sequences; the rows kernel (no direct write) keeps the 125-page shares."""
+  monkeypatch.setattr(ms, "_num_sms", lambda: 132)
+  lens = jnp.full((128,), 4096, jnp.int32)
+  for kernel, want in (("seesaw", 128), ("rows", 125)):
+    _, _, payload = ms.make_schedule(lens, 64, rows=128, fp8=fp8, interpret=True, kernel=kernel)
+    assert int(payload[0]) == want, kernel
+  lens64 = jnp.full((64,), 4096, jnp.int32)
+  _, _, payload = ms.make_schedule(lens64, 64, rows=128, fp8=fp8, interpret=True, kernel="seesaw")
+  assert int(payload[0]) == 64
 
 
 def test_rows_kernel_schedule_matches_its_shares():
@@ -798,14 +819,15 @@ def test_seesaw_kernel_interpret(dtype, heads, sq, lens, causal, parts):
 ])
 def test_seesaw_direct_write_is_the_merge(dtype, lens, parts):
   """direct_write (a share's CTA writes the output of each sequence it holds whole; the merge skips those) gives the
-  same bits as merging every sequence's partials, and the schedule at hand has both kinds of sequence."""
+  same bits as merging every sequence's partials, and the schedule at hand has both kinds of sequence. Both runs
+  take the schedule the direct call computes (cuts charged: split_kv.CUT_PAGES_DIRECT)."""
   q, cache, table, lens_a = random_problem(len(lens) + parts, lens=lens, sq=1, heads=64, dtype=dtype)
-  cu, _, payload = schedule_kernel(jnp.asarray(lens_a), parts, page=64, interpret=True)   # what the call computes
-  cu, payload = np.asarray(cu)[:len(lens) + 1], int(np.asarray(payload)[0])
+  schedule = schedule_kernel(jnp.asarray(lens_a), parts, page=64, interpret=True, cut_pages=CUT_PAGES_DIRECT)
+  cu, payload = np.asarray(schedule[0])[:len(lens) + 1], int(np.asarray(schedule[2])[0])
   shares = [(b - 1) // payload - a // payload + 1 if b > a else 0 for a, b in zip(cu[:-1], cu[1:])]
   assert 0 in shares and 1 in shares and max(shares) > 1, shares
   runs = [run_kernel(q, cache, table, lens_a, False, interpret=True, num_parts=parts, kernel="seesaw",
-                     direct_write=d) for d in (True, False)]
+                     direct_write=d, schedule=schedule) for d in (True, False)]
   for a, b in zip(*runs):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, False)

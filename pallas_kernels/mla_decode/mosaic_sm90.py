@@ -52,7 +52,8 @@ from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAK
 from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
                                                     convert_fp8_part, dequant_layout, load_fp8_part, page_ahead,
                                                     produce_pages, scale_layout, share_of_part)
-from pallas_kernels.mla_decode.split_kv import SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials, schedule_kernel
+from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
+                                                schedule_kernel)
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
@@ -212,29 +213,32 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
-def share_pages(cu: jax.Array, num_parts: int) -> jax.Array:
+def share_pages(cu: jax.Array, num_parts: int, cut_pages: int = 0) -> jax.Array:
   """Pages per split-KV share (>= 1) for page prefix sums cu [B+1]: share p covers [p, p + 1) * this.
 
   The payload is the one of base, base + 1, ..., base + SNAP_CANDIDATES - 1 (base = ceil(total / num_parts), the
-  smallest that covers the batch) with the lowest modelled time of a share, `payload + SEGMENT_PAGES *
-  segments / shares` (the first of equals): every (share, sequence) segment costs its CTA a Q load, a prologue,
-  a partial write and a merge entry, about SEGMENT_PAGES pages' work. At batch 64 and 64 pages a sequence the
-  base is 63 and cuts almost every sequence in two; 64 gives one sequence a share (fp8 h128 b64 on an H200: 211.9
-  -> 204.4 µs, NOTES.md). Integer arithmetic, compared by cross-multiplication, so split_kv.schedule_kernel gets
-  the same."""
+  smallest that covers the batch) with the lowest modelled time of a share, `payload + (SEGMENT_PAGES * segments
+  + cut_pages * cuts) / shares` (the first of equals): every (share, sequence) segment costs its CTA a Q load, a
+  prologue, a partial write and a merge entry, about SEGMENT_PAGES pages' work. At batch 64 and 64 pages a
+  sequence the base is 63 and cuts almost every sequence in two; 64 gives one sequence a share (fp8 h128 b64 on an
+  H200: 211.9 -> 204.4 µs, NOTES.md). cuts = segments - sequences with pages: where the kernel writes the output
+  of a sequence a share holds whole (split_kv.CUT_PAGES_DIRECT), each cut sequence costs a merge on top. Integer
+  arithmetic, compared by cross-multiplication, so split_kv.schedule_kernel gets the same."""
   total = cu[-1]
   cand = jnp.maximum(1, (total + num_parts - 1) // num_parts) + jnp.arange(SNAP_CANDIDATES, dtype=cu.dtype)
   first, last = cu[:-1, None] // cand, (cu[1:, None] - 1) // cand                 # [B, candidates]
-  segments = jnp.sum(jnp.where((cu[1:] > cu[:-1])[:, None], last - first + 1, 0), axis=0)
+  nonempty = cu[1:] > cu[:-1]
+  segments = jnp.sum(jnp.where(nonempty[:, None], last - first + 1, 0), axis=0)
   shares = jnp.maximum(1, (total + cand - 1) // cand)
-  nums = cand * shares + SEGMENT_PAGES * segments                # a share's modelled time x shares
+  cuts = segments - jnp.sum(nonempty.astype(cu.dtype))
+  nums = cand * shares + SEGMENT_PAGES * segments + cut_pages * cuts   # a share's modelled time x shares
   best = 0
   for i in range(1, SNAP_CANDIDATES):                            # the first candidate of the lowest time
     best = jnp.where(nums[i] * shares[best] < nums[best] * shares[i], i, best)
   return cand[best]
 
 
-def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Array]:
+def schedule(page_counts: jax.Array, num_parts: int, cut_pages: int = 0) -> tuple[jax.Array, jax.Array]:
   """Cuts the batch's pages (in sequence order) into num_parts equal contiguous shares.
 
   Returns cu int32 [B+1] (page prefix sums) and sched int32 [num_parts, 4] = (begin, end, b_first, b_last):
@@ -243,7 +247,7 @@ def schedule(page_counts: jax.Array, num_parts: int) -> tuple[jax.Array, jax.Arr
   b = page_counts.shape[0]
   cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(page_counts, dtype=jnp.int32)])
   total = cu[b]
-  payload = share_pages(cu, num_parts)
+  payload = share_pages(cu, num_parts, cut_pages)
   p = jnp.arange(num_parts, dtype=jnp.int32)
   begin = jnp.minimum(p * payload, total)
   end = jnp.minimum(begin + payload, total)
@@ -635,12 +639,16 @@ def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, 
   kernel: as mla_decode's (the swapped kernel splits the pages into other numbers of shares than the two 64-row
   kernels)."""
   which = choose_kernel(rows, fp8, kernel)
-  if which in ROWS_KERNELS:
-    num_parts = ROWS_KERNELS[which].make_plan(rows, num_sms=_num_sms(), fp8=fp8).num_parts
-  else:
-    num_parts = make_plan(rows, fp8).num_parts
+  plan = (ROWS_KERNELS[which].make_plan(rows, num_sms=_num_sms(), fp8=fp8) if which in ROWS_KERNELS
+          else make_plan(rows, fp8))
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  return schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
+  return schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret), cut_pages=_cut_pages(plan))
+
+
+def _cut_pages(plan) -> int:
+  """The payload rule's cost of a cut sequence for this plan (split_kv.CUT_PAGES_DIRECT where the kernel writes
+  whole sequences' outputs itself)."""
+  return CUT_PAGES_DIRECT if getattr(plan, "direct_write", False) else 0
 
 
 def _check_schedule(schedule, batch: int, num_parts: int):
@@ -673,12 +681,12 @@ def fp8_q_operands(q, rows_per_cta: int, groups: int):
   return latent, _as_rows(q[..., LATENT_DIM:], rows_per_cta, groups)
 
 
-def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, interpret):
+def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, interpret, cut_pages: int = 0):
   """The clipped lengths and the split-KV schedule (computed here, or checked if given)."""
   batch = seq_lens.shape[0]
   lens = jnp.clip(seq_lens.astype(jnp.int32), 0, block_table.shape[1] * PAGE)
   if schedule is None:
-    cu, sched, payload = schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret))
+    cu, sched, payload = schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret), cut_pages=cut_pages)
   else:
     cu, sched, payload = _check_schedule(schedule, batch, num_parts)
   return lens, cu, sched, payload
@@ -696,7 +704,7 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
   if interpret:
     gpu_interpret.check_cpu_threads(module.NUM_WARPGROUPS)   # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
-                                                interpret=interpret)
+                                                interpret=interpret, cut_pages=_cut_pages(plan))
   call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                            num_pages=cache.num_pages, interpret=_interpret_params(interpret))
   # Q's two parts in rows (reshapes at h128), sliced first so that XLA takes each from its producer and the

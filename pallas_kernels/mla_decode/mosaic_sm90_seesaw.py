@@ -38,10 +38,11 @@ token half of every page part, storing it into its own slot and, at the same off
 stores into the peer and one cluster-wide arrival a part, or Mosaic's st.async); a part is free only when the
 consumers of both CTAs released it (cluster barriers). NOTES.md has the measurements (st.async: 1.8x slower).
 
-Direct write (`Plan.direct_write`; on for a bf16 cache, opt-in for fp8: `DIRECT_WRITE`): a share that holds a
-sequence whole (every one, at uniform lengths) writes its normalized bf16 output and lse itself instead of f32
-partials, and the merge kernel skips it (FlashMLA's scheme); with an fp8 cache the output leaves through the
-warpgroup's Q half of SMEM and a TMA store.
+Direct write (`Plan.direct_write`, on by default: `DIRECT_WRITE`): a share that holds a sequence whole writes its
+normalized bf16 output and lse itself instead of f32 partials, and the merge kernel skips it (FlashMLA's scheme);
+with an fp8 cache the output leaves through the warpgroup's Q half of SMEM and a TMA store. The split schedule's
+payload rule then charges every sequence it cuts over shares a merge (split_kv.CUT_PAGES_DIRECT), so uniform
+batches get shares of whole sequences where that is cheap.
 
 Masks and NaN safety as in the rows kernel: table entries past a sequence's pages are never read, scores past the
 length or the causal limit are masked to -inf by select, and the V rows of a partial last page past the length are
@@ -95,8 +96,13 @@ DEFAULT_L2_PREFETCH = 1
 # registers (a86969c): b128 405.2 (357.0) -> 424.1 (386.5); its SASS had two spill loads in warpgroup 0's page-pair
 # loop. fp8 through the Q half and a TMA store (71e9901; no spill in either page loop): b128 404.6 (357.0) -> 425.4
 # (388.0), b64 208.9 (187.6) -> 200.7 (184.8), Sq 2 766.0 (685.3) -> 729.0 (675.8), ragged [1, 2L] 429.6 -> 425.0.
-# The b128 kernel's +31 µs (two whole sequences a CTA) is not understood, so fp8 stays off (opt-in) until it is
-DIRECT_WRITE = {False: True, True: False}
+# The b128 kernel's +20-31 µs came with 125-page shares (the payload rule's pick at 66 shares a row group: about
+# half the sequences cut, one or none whole a share): ncu (H100, 6d32b45) gives both builds the same mean SM active
+# cycles (627.8k merged, 633.9k direct) but 652k -> 699k elapsed, a tail, and the same stall profile. With 64
+# shares of two whole sequences (num_parts 64) direct is 381.4 (357.6) against 404.9 (365.4) merged, the default's
+# 405.7 (356.9). So fp8 is on too, with the payload rule charging a cut sequence its merge
+# (split_kv.CUT_PAGES_DIRECT), which picks 128-page shares there
+DIRECT_WRITE = {False: True, True: True}
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -134,8 +140,7 @@ class Plan:
   l2_prefetch: int = 0
   # a sequence that one share holds whole (every one, with uniform lengths and the snapped payload) is normalized
   # and written as the op's bf16 output by its CTA (FlashMLA's kernel does the same), not as an f32 partial for the
-  # merge to read: the merge then runs only for sequences split over shares. make_plan's default: on for a bf16
-  # cache, off for fp8 (DIRECT_WRITE)
+  # merge to read: the merge then runs only for sequences split over shares. make_plan's default: on (DIRECT_WRITE)
   direct_write: bool = False
 
   @property

@@ -3,7 +3,7 @@
 Schedule: the batch's pages, in sequence order, are cut into at most `num_parts` equal shares of `payload` pages:
 share p covers flat pages [p * payload, (p + 1) * payload) and sequences b_first..b_last. The payload is the
 smallest that covers the batch or up to SNAP_CANDIDATES - 1 pages more where that cuts fewer sequences
-(mosaic_sm90.share_pages has the rule). `schedule_kernel` computes the
+(mosaic_sm90.share_pages has the rule; a cut costs more where the kernel writes whole sequences' outputs itself). `schedule_kernel` computes the
 page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one program; plain XLA needs ~7
 small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference the tests compare it with).
 
@@ -43,6 +43,11 @@ COLS = 128          # latent columns per program (merge)
 SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
 SNAP_CANDIDATES = 8  # payloads tried: base .. base + 7 pages a share (base = ceil(total pages / shares))
 SEGMENT_PAGES = 2    # what one (share, sequence) segment costs, in pages (fp8 h128 b64 on an H200, NOTES.md)
+# what cutting a sequence over shares costs on top, in pages of a share's time, where the kernel writes the output of
+# every sequence a share holds whole (the seesaw kernel's direct write): a cut sequence goes through the merge
+# instead. One H100, fp8 b128 h128 L4096, 6d32b45: the merge of the 65 sequences 125-page shares cut took 13.6 µs,
+# ~0.21 µs a sequence, against ~2.9 µs a page of a share: ~0.21 x 66 shares / 2.9 = ~5 pages
+CUT_PAGES_DIRECT = 5
 _LN2 = math.log(2.0)
 
 
@@ -143,7 +148,7 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
 
 
 def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, num_parts: int, page: int,
-                     chunks: int, parts_padded: int):
+                     chunks: int, parts_padded: int, cut_pages: int):
   def pages_of(c):
     lens = lens_ref[pl.ds(c * SEQ_CHUNK, SEQ_CHUNK)]                   # zeros past the batch
     return (lens + page - 1) // page
@@ -153,18 +158,18 @@ def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, nu
   cand = base + lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0)
 
   def count_segments(c, carry):
-    # per candidate payload: the (share, sequence) segments of the sequences in chunk c
-    before, segments = carry
+    # per candidate payload: the (share, sequence) segments of the sequences in chunk c; the sequences with pages
+    before, segments, nonempty = carry
     pg = pages_of(c)
     incl = jnp.cumsum(pg) + before
     first, last = (incl - pg)[None, :] // cand[:, None], (incl - 1)[None, :] // cand[:, None]
     segments += jnp.sum(jnp.where(pg[None, :] > 0, last - first + 1, 0), axis=1)
-    return before + jnp.sum(pg), segments
+    return before + jnp.sum(pg), segments, nonempty + jnp.sum((pg > 0).astype(jnp.int32))
 
-  _, segments = lax.fori_loop(0, chunks, count_segments,
-                              (jnp.int32(0), jnp.zeros((SNAP_CANDIDATES,), jnp.int32)))
+  _, segments, nonempty = lax.fori_loop(0, chunks, count_segments,
+                                        (jnp.int32(0), jnp.zeros((SNAP_CANDIDATES,), jnp.int32), jnp.int32(0)))
   shares = jnp.maximum(1, (total + cand - 1) // cand)
-  nums = cand * shares + SEGMENT_PAGES * segments
+  nums = cand * shares + SEGMENT_PAGES * segments + cut_pages * (segments - nonempty)
   pick = lambda v, i: jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0) == i, v, 0))
   payload, best_num, best_shares = base, pick(nums, 0), pick(shares, 0)
   for i in range(1, SNAP_CANDIDATES):      # mosaic_sm90.share_pages: the first candidate of the lowest time
@@ -196,11 +201,12 @@ def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, nu
   payload_ref[...] = jnp.full((1,), payload, jnp.int32)
 
 
-def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bool = False
+def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bool = False, cut_pages: int = 0
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """lens int32 [B] (clipped to the table) -> cu int32 [>= B+1] (page prefix sums, cu[B] = total pages),
   sched int32 [4, P'] (rows begin, end, b_first, b_last of share p < num_parts; P' = num_parts padded to a
-  power of two), payload int32 [1]. Same values as mosaic_sm90.schedule."""
+  power of two), payload int32 [1]. Same values as mosaic_sm90.schedule. cut_pages: the payload rule's cost of a
+  sequence cut over shares (CUT_PAGES_DIRECT for a kernel that writes whole sequences' outputs itself; else 0)."""
   batch = lens.shape[0]
   chunks = batch // SEQ_CHUNK + 1                     # room for cu[B]
   lens = jnp.pad(lens.astype(jnp.int32), (0, chunks * SEQ_CHUNK - batch))
@@ -209,7 +215,7 @@ def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bo
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         functools.partial(_schedule_kernel, batch=batch, num_parts=num_parts, page=page, chunks=chunks,
-                          parts_padded=parts_padded),
+                          parts_padded=parts_padded, cut_pages=int(cut_pages)),
         grid=(1,),
         in_specs=[pl.BlockSpec(lens.shape, lambda i: (0,))],
         out_specs=[pl.BlockSpec((chunks * SEQ_CHUNK,), lambda i: (0,)),

@@ -947,7 +947,9 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="rows", crossover=True)
   with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="swapped", direct_write=False)
-  # its schedule is the rows kernel's (same row groups and shares)
+  # its schedule has the rows kernel's shape (same row groups and shares; the payload may differ, as the seesaw's
+  # direct write charges cut sequences), so either kernel takes either schedule
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)
            for k in ("rows", "seesaw")]
-  assert all(np.array_equal(a, b) for a, b in zip(*sched))
+  assert all(a.shape == b.shape for a, b in zip(*sched))
+  np.testing.assert_array_equal(sched[0][0], sched[1][0])                     # the page prefix sums

@@ -378,35 +378,37 @@ class ShardingPlan:
         return out
 
     # ---- islands --------------------------------------------------------------------------------------------
-    def mla_decode(self, q: jax.Array, cache, block_table: jax.Array, seq_lens: jax.Array, **kwargs):
+    def mla_decode(self, q: jax.Array, cache, block_table: jax.Array, seq_lens: jax.Array, q_rope=None, **kwargs):
         """pallas_kernels.mla_decode on each device's part: TP — all sequences, H/N heads (q [B, Sq, H, 576]
         split on H, the replicated cache); DP attention — B/N sequences with all heads, the device's own cache
-        pages (block-table entries are global page ids; each device maps them to its local pages)."""
+        pages (block-table entries are global page ids; each device maps them to its local pages). q_rope: q's
+        rope part apart (q then its q_nope part), split as q is."""
         if self.num_devices == 1:
-            return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+            return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, q_rope=q_rope, **kwargs)
+        qs = (q,) if q_rope is None else (q, q_rope)
         if self.data_parallel_attention:
             pages_local = _num_pages(cache) // self.num_devices
 
-            def body(q, cache, block_table, seq_lens):
+            def body(cache, block_table, seq_lens, q, q_rope=None):
                 first = jax.lax.axis_index(AXIS) * pages_local
                 local = block_table - first
                 # Only padding entries (past a sequence's length) may name another device's page; -1 keeps a bad
                 # live entry loud (mla_decode returns NaN for a used page outside the pool).
                 local = jnp.where((local >= 0) & (local < pages_local), local, -1)
-                return pallas_kernels.mla_decode(q, cache, local, seq_lens, **kwargs)
+                return pallas_kernels.mla_decode(q, cache, local, seq_lens, q_rope=q_rope, **kwargs)
 
             rows = P(AXIS)
-            in_specs = (rows, self.cache_specs(cache), rows, rows)
+            in_specs = (self.cache_specs(cache), rows, rows, *[rows] * len(qs))
             out_specs = (rows, rows)
         else:
-            def body(q, cache, block_table, seq_lens):
-                return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+            def body(cache, block_table, seq_lens, q, q_rope=None):
+                return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, q_rope=q_rope, **kwargs)
 
             heads = P(None, None, AXIS)
-            in_specs = (heads, self.cache_specs(cache), P(), P())
+            in_specs = (self.cache_specs(cache), P(), P(), *[heads] * len(qs))
             out_specs = (heads, P(None, AXIS))          # out [B, Sq, H, 512], lse [B, H, Sq]
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)(q, cache, block_table, seq_lens)
+                             check_vma=False)(cache, block_table, seq_lens, *qs)
 
     def write_cache(self, cache, slots: jax.Array, latent: jax.Array, rope: jax.Array):
         """cache.write(slots, latent, rope) with global slots (page·page_size + offset). TP: every device writes
@@ -486,8 +488,8 @@ class SingleDevice:
     data_parallel_attention = False
 
     @staticmethod
-    def mla_decode(q, cache, block_table, seq_lens, **kwargs):
-        return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, **kwargs)
+    def mla_decode(q, cache, block_table, seq_lens, q_rope=None, **kwargs):
+        return pallas_kernels.mla_decode(q, cache, block_table, seq_lens, q_rope=q_rope, **kwargs)
 
     @staticmethod
     def write_cache(cache, slots, latent, rope):

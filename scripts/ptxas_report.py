@@ -14,6 +14,8 @@ and a CUDA 13 ptxas on PATH (or /usr/local/cuda). Then, from the repository root
         "plan": {"producer_registers": 56, "compute_registers": 224}}'
 Each case compiles in its own process (the report is ptxas's own output); a case is one call shape:
     {"op": "mla", "kernel": "rows" | "seesaw" | "swapped", "fp8": bool, "heads": 128, "sq": 1, "plan": {...}}
+    ("q_whole": true: the rows / seesaw kernels read both parts of Q from q whole [.., 576], as mla_decode passes
+    it when it gets q whole; else the parts apart, as the model passes them)
     {"op": "moe", "group": 128, "tokens": 64, "config": {...}}        DeepSeek-V3's routed experts
     {"op": "dense", "k": 7168, "n": 18432, "m": 64, "group": 128, "config": {...}}
 The ptxas here may not be the H200 image's: read the report as a difference between variants, checked on a GPU.
@@ -86,7 +88,8 @@ def compile_case(case: dict) -> None:
       fn = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=sq > 1, softmax_scale=192 ** -0.5,
                              num_pages=pages, interpret=False)
       rows = batch * plan.groups
-      q_args = (s((rows, 64, 512), jnp.bfloat16), s((rows, 64, 64), jnp.bfloat16))
+      q_args = ((s((rows, 64, 576), jnp.bfloat16),) * 2 if case.get("q_whole") else
+                (s((rows, 64, 512), jnp.bfloat16), s((rows, 64, 64), jnp.bfloat16)))
     cache = ((s((pages, 64, 512), jnp.float8_e4m3fn), s((pages, 64, 64), jnp.bfloat16),
               s((pages, 64, 4), jnp.float32)) if fp8 else
              (s((pages, 64, 512), jnp.bfloat16), s((pages, 64, 64), jnp.bfloat16)))

@@ -119,6 +119,13 @@ def test_mla_decode_dp_attention_island_matches_one_device(cache_dtype):
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want_o, np.float32), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
     assert np.isinf(np.asarray(lse)[lens == 0]).all()                 # the length-0 row
+    # q's two parts apart (the engine's call), split over rows as q is: the same bits
+    fn = jax.jit(lambda a, r, c, bt, sl: pl.mla_decode(a, c, bt, sl, q_rope=r, **kw))
+    o2, lse2 = fn(jax.device_put(q[..., :512], rows_s), jax.device_put(q[..., 512:], rows_s), cache_s,
+                  jax.device_put(bt, rows_s), jax.device_put(lens, rows_s))
+    assert spec_of(o2)[0] == AXIS
+    np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 
 
 @pytest.mark.parametrize("n", [4])
@@ -142,6 +149,13 @@ def test_mla_decode_tp_island_matches_one_device(n):
     # fp32 on both sides; XLA's CPU dot blocks differently for H/n heads, hence not bitwise
     np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+    # q's two parts apart, split over heads as q is: the same bits
+    heads = pl.sharding(P(None, None, AXIS))
+    o2, lse2 = jax.jit(lambda a, r, c, bt, sl: pl.mla_decode(a, c, bt, sl, q_rope=r, **kw))(
+        jax.device_put(q[..., :512], heads), jax.device_put(q[..., 512:], heads), cache_s, perm, lens)
+    assert spec_of(o2)[2] == AXIS
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 
 
 def test_mla_decode_dp_island_is_loud_when_a_live_page_belongs_to_another_device():

@@ -176,6 +176,24 @@ def test_jit_and_vmap(backend):
 
 
 @pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_q_rope_apart_is_q_whole(backend):
+  """q's two parts apart (q_rope=) give the bits of their concatenation, eagerly, under jit and under vmap."""
+  q, cache, table, seq_lens = make_problem(13, "fp8_e4m3", [65, 0, 3], 1, 16)
+  kw = dict(softmax_scale=SCALE, backend=backend, interpret=True)
+  whole = mla_decode(q, cache, table, seq_lens, **kw)
+  apart = jax.jit(lambda a, r, c, t, s: mla_decode(a, c, t, s, q_rope=r, **kw))(q[..., :512], q[..., 512:],
+                                                                                  cache, table, seq_lens)
+  for x, y in zip(whole, apart):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  q2 = jnp.stack([q, (q * -0.5).astype(q.dtype)])
+  vo, vl = jax.vmap(lambda a, r: mla_decode(a, cache, table, seq_lens, q_rope=r, **kw))(q2[..., :512], q2[..., 512:])
+  for i in range(2):
+    wo, wl = mla_decode(q2[i], cache, table, seq_lens, **kw)
+    np.testing.assert_array_equal(np.asarray(vo[i], np.float32), np.asarray(wo, np.float32))
+    np.testing.assert_array_equal(np.asarray(vl[i]), np.asarray(wl))
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
 def test_bad_rows_come_back_nan_under_jit(backend):
   """Under jit lengths cannot be checked; rows with a bad length or page index are NaN, others untouched."""
   q, cache, table, seq_lens = make_problem(5, "bfloat16", [70, 10, 10], 1, 16)
@@ -209,6 +227,19 @@ def test_input_errors():
     mla_decode(q, (cache.latent, cache.rope), table, seq_lens, **kw)
   with pytest.raises(ValueError, match="unknown backend 'flash'"):
     mla_decode(q, cache, table, seq_lens, softmax_scale=SCALE, backend="flash")
+  # q's parts apart: q must be the q_nope part and q_rope match it
+  with pytest.raises(ValueError, match="with q_rope given, q must be the absorbed q_nope part"):
+    mla_decode(q, cache, table, seq_lens, q_rope=q[..., 512:], **kw)
+  with pytest.raises(ValueError, match="q_rope must be"):
+    mla_decode(q[..., :512], cache, table, seq_lens, q_rope=q[..., 510:], **kw)
+  with pytest.raises(ValueError, match="q_rope must be"):
+    mla_decode(q[..., :512], cache, table, seq_lens, q_rope=q[:1, ..., 512:], **kw)
+  with pytest.raises(ValueError, match="q_rope must be"):
+    mla_decode(q[..., :512], cache, table, seq_lens, q_rope=q[..., 512:].astype(jnp.float32), **kw)
+  with pytest.raises(ValueError, match="q_rope must be an array"):
+    mla_decode(q[..., :512], cache, table, seq_lens, q_rope=[1.0] * 64, **kw)
+  with pytest.raises(ValueError, match=r"or its q_nope part \[.., 512\] with q_rope="):
+    mla_decode(q[..., :512], cache, table, seq_lens, **kw)
 
 
 def test_backend_choice_on_cpu(caplog):

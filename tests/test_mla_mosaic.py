@@ -953,3 +953,21 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
            for k in ("rows", "seesaw")]
   assert all(a.shape == b.shape for a, b in zip(*sched))
   np.testing.assert_array_equal(sched[0][0], sched[1][0])                     # the page prefix sums
+
+
+@pytest.mark.parametrize("kernel,dtype,heads", [
+    ("seesaw", "bfloat16", 64), ("seesaw", "fp8_e4m3", 64), ("rows", "fp8_e4m3", 64),
+    ("swapped", "fp8_e4m3", 16), ("swapped", "fp8_e4m3", 20), ("swapped", "bfloat16", 20)])
+def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
+  """The kernels read Q's latent part from the first 512 columns of one operand and its rope part from the last 64
+  of the other: q whole [.., 576] (both operands, no copy) and q apart (q_rope=) give the same bits; h20 pads its
+  rows (the swapped kernel's 32-row CTAs)."""
+  q, cache, table, lens = random_problem(heads + 17, lens=[70, 0, 129], sq=1, heads=heads, dtype=dtype)
+  kw = dict(interpret=True, kernel=kernel, num_parts=2)
+  whole = run_kernel(q, cache, table, lens, False, **kw)
+  apart = run_kernel(q[..., :512], cache, table, lens, False, q_rope=q[..., 512:], **kw)
+  for a, b in zip(whole, apart):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens, False)
+  res = compare(*whole, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
+  assert res["ok"], res

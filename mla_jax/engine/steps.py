@@ -99,12 +99,13 @@ def decode_step(graphdef: nnx.GraphDef, weights: EngineWeights, caches: Sequence
         qdt = decode_query_dtype(cache)
         q_lat = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=h.dtype,
                            precision=prec)                                          # [B,H,Cl]
-        # each part gets its query axis before the concatenation: the swapped mosaic kernel (h < 64) slices q back
-        # into its parts (fp8 cache), which XLA then takes from these operands without writing q at all
-        q = jnp.concatenate([_pad_to(q_lat.astype(qdt), LATENT_DIM)[:, None],
-                             _pad_to(q_rope.astype(qdt), ROPE_DIM)[:, None]], axis=-1)  # [B,1,H,576]
-        o_lat, _ = ops.mla_decode(q, cache, block_table, seq_lens, softmax_scale=cfg.softmax_scale,
-                                  causal=False, backend=backend, interpret=interpret, **shared)
+        # q's two parts apart (mla_decode's q_rope): the mosaic kernels read each where it is, so q = [q_lat |
+        # q_rope] is never written; the other backends concatenate them
+        q_lat = _pad_to(q_lat.astype(qdt), LATENT_DIM)[:, None]                   # [B,1,H,512]
+        q_rope = _pad_to(q_rope.astype(qdt), ROPE_DIM)[:, None]                   # [B,1,H,64]
+        o_lat, _ = ops.mla_decode(q_lat, cache, block_table, seq_lens, q_rope=q_rope,
+                                  softmax_scale=cfg.softmax_scale, causal=False, backend=backend,
+                                  interpret=interpret, **shared)
         o_lat = o_lat[:, 0, :, : cfg.kv_lora_rank]                                  # [B,H,Cl]
         o = jnp.einsum("bhc,hvc->bhv", o_lat.astype(w_uv.dtype), w_uv, preferred_element_type=h.dtype,
                        precision=prec)                                              # [B,H,V]

@@ -203,17 +203,26 @@ def resolve_backend(requested: str, cache_dtype: str, interpret: bool, device=No
 
 
 # ---- validation and output contract (shared by every backend) ----------------------------------------------
-def validate_inputs(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale, causal) -> None:
+def validate_inputs(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale, causal, q_rope=None) -> None:
   """Raises ValueError (what is wrong and what is expected) unless the inputs satisfy docs/architecture.md §3."""
   if not isinstance(cache, MLAKVCache):
     raise ValueError(f"cache must be a pallas_kernels.MLAKVCache, got {type(cache).__name__}")
   cache.validate()
-  for name, x in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens)):
+  named = (("q", q), ("block_table", block_table), ("seq_lens", seq_lens))
+  for name, x in named + ((("q_rope", q_rope),) if q_rope is not None else ()):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise ValueError(f"{name} must be an array, got {type(x).__name__}")
-  if q.ndim != 4 or q.shape[-1] != QK_DIM:
+  if q_rope is not None:
+    if q.ndim != 4 or q.shape[-1] != LATENT_DIM:
+      raise ValueError(f"with q_rope given, q must be the absorbed q_nope part [batch, q_len, heads, {LATENT_DIM}], "
+                       f"got shape {q.shape}")
+    if q_rope.shape != (*q.shape[:3], ROPE_DIM) or q_rope.dtype != q.dtype:
+      raise ValueError(f"q_rope must be [batch, q_len, heads, {ROPE_DIM}] = {(*q.shape[:3], ROPE_DIM)} in q's dtype "
+                       f"{jnp.dtype(q.dtype).name}, got {jnp.dtype(q_rope.dtype).name} {q_rope.shape}")
+  elif q.ndim != 4 or q.shape[-1] != QK_DIM:
     raise ValueError(f"q must be [batch, q_len, heads, {QK_DIM}] (absorbed q_nope {LATENT_DIM} | q_rope "
-                     f"{ROPE_DIM}), got shape {q.shape}")
+                     f"{ROPE_DIM}), or its q_nope part [.., {LATENT_DIM}] with q_rope= [.., {ROPE_DIM}], got "
+                     f"shape {q.shape}")
   b, sq, h, _ = q.shape
   allowed = (jnp.bfloat16, jnp.float32) if cache.dtype == "float32" else (jnp.bfloat16,)
   if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in allowed]:
@@ -297,20 +306,26 @@ def _explicit_mesh(arrays):
 
 @functools.lru_cache(maxsize=None)
 def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, page_size: int,
-             has_scale: bool, schedule_ndims: tuple[int, ...] = ()):
-  """Builds the jittable op for one static configuration: fn(q, latent, rope, [scale], table, lens, *schedule)
-  (schedule_ndims: ranks of a precomputed schedule's arrays, () = none)."""
+             has_scale: bool, schedule_ndims: tuple[int, ...] = (), split_q: bool = False):
+  """Builds the jittable op for one static configuration: fn(q, [q_rope], latent, rope, [scale], table, lens,
+  *schedule) (schedule_ndims: ranks of a precomputed schedule's arrays, () = none; split_q: q comes as its q_nope
+  part and q_rope)."""
   impl = _import_backend(backend).mla_decode
   n_sched = len(schedule_ndims)
+  n_q = 2 if split_q else 1
 
   def run_local(*arrays):
     if n_sched:
       arrays, schedule = arrays[:-n_sched], tuple(arrays[-n_sched:])
-    q, latent, rope, *rest = arrays
+    (q, *q_rope), (latent, rope, *rest) = arrays[:n_q], arrays[n_q:]
     scale = rest.pop(0) if has_scale else None
     block_table, seq_lens = rest
     cache = MLAKVCache(latent=latent, rope=rope, scale=scale, page_size=page_size)
     extra = dict(schedule=schedule) if n_sched else {}
+    if q_rope and backend == "mosaic_sm90":
+      extra["q_rope"] = q_rope[0]           # its kernels read the two parts where they are
+    elif q_rope:
+      q = jnp.concatenate([q, q_rope[0]], axis=-1)
     out, lse = impl(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                     interpret=interpret, **extra)
     return apply_output_contract(out, lse, cache, block_table, seq_lens)
@@ -319,7 +334,8 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
   # everything else is replicated for the kernel (a page-sharded cache is all-gathered: correct, not fast).
   cache_rule = "p t l, p t r, p t g" if has_scale else "p t l, p t r"
   sched_rule = "".join(", " + " ".join(f"x{k}y{j}" for j in range(nd)) for k, nd in enumerate(schedule_ndims))
-  rule = f"b s h d, {cache_rule}, b n, b{sched_rule} -> b s h v, b h s"
+  q_rule = "b s h d, b s h e" if split_q else "b s h d"
+  rule = f"{q_rule}, {cache_rule}, b n, b{sched_rule} -> b s h v, b h s"
   n_cache = 3 if has_scale else 2
 
   def partition(mesh, arg_shapes, result_shape):
@@ -332,7 +348,7 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
                        f"mesh axes {b_axes}; compute the schedule per device (inside shard_map) or pass "
                        "schedule=None")
     ns = functools.partial(NamedSharding, mesh)
-    arg_shardings = (ns(P(b_axes, None, h_axes, None)), *[ns(P())] * n_cache, ns(P(b_axes, None)),
+    arg_shardings = (*[ns(P(b_axes, None, h_axes, None))] * n_q, *[ns(P())] * n_cache, ns(P(b_axes, None)),
                      ns(P(b_axes)), *[ns(P())] * n_sched)
     out_shardings = (ns(P(b_axes, None, h_axes, None)), ns(P(b_axes, h_axes, None)))
     return mesh, run_local, out_shardings, arg_shardings
@@ -351,7 +367,8 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     if n_sched and b_axes is not None:
       raise ValueError("mla_decode: a precomputed schedule covers the whole batch, but the batch is split over "
                        f"mesh axes {b_axes}; compute it per device (inside shard_map) or pass schedule=None")
-    in_specs = (P(b_axes, None, h_axes, None), *[P()] * n_cache, P(b_axes, None), P(b_axes), *[P()] * n_sched)
+    in_specs = (*[P(b_axes, None, h_axes, None)] * n_q, *[P()] * n_cache, P(b_axes, None), P(b_axes),
+                *[P()] * n_sched)
     out_specs = (P(b_axes, None, h_axes, None), P(b_axes, h_axes, None))
     arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, in_specs)]
     return jax.shard_map(run_local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -375,8 +392,8 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     if n_sched:
       raise ValueError("mla_decode: vmap with a precomputed schedule is not supported (the schedule describes one "
                        "batch); pass schedule=None under vmap")
-    q, latent, rope, *rest = arrays
-    q_b, lat_b, rope_b, *rest_b = in_batched
+    qs, (latent, rope, *rest) = arrays[:n_q], arrays[n_q:]
+    qs_b, (lat_b, rope_b, *rest_b) = in_batched[:n_q], in_batched[n_q:]
     v = axis_size
 
     def bcast(x, batched):
@@ -389,8 +406,8 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
     cache_batched = [lat_b, rope_b] + rest_b[:n_cache - 2]
     block_table, seq_lens = rest[n_cache - 2:]
     bt_b, sl_b = rest_b[n_cache - 2:]
-    b = q.shape[1] if q_b else q.shape[0]
-    q_f = fold(bcast(q, q_b))
+    b = qs[0].shape[1] if qs_b[0] else qs[0].shape[0]
+    q_f = [fold(bcast(x, xb)) for x, xb in zip(qs, qs_b)]
     block_table = bcast(block_table, bt_b)
     if any(cache_batched):
       num_pages = (latent.shape[1] if lat_b else latent.shape[0])
@@ -400,7 +417,7 @@ def _make_op(backend: str, softmax_scale: float, causal: bool, interpret: bool, 
       block_table = jnp.where(in_range, block_table + offs, -1)   # out-of-range stays out of range
     block_table = fold(block_table)
     seq_lens = fold(bcast(seq_lens, sl_b))
-    out, lse = batched_op(q_f, *cache_arrays, block_table, seq_lens)
+    out, lse = batched_op(*q_f, *cache_arrays, block_table, seq_lens)
     return (out.reshape(v, b, *out.shape[1:]), lse.reshape(v, b, *lse.shape[1:])), (True, True)
 
   # jit: an eager call compiles once as a whole (inside an outer jit this inlines).
@@ -449,7 +466,8 @@ def _check_schedule(schedule, backend: str, q, cache: MLAKVCache, block_table) -
 
 def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens: jax.Array, *,
                softmax_scale: float, causal: bool = False, backend: str = "auto",
-               interpret: bool = False, schedule: SplitKVSchedule | None = None) -> tuple[jax.Array, jax.Array]:
+               interpret: bool = False, schedule: SplitKVSchedule | None = None,
+               q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """MLA decode attention over a paged latent cache (FlashMLA semantics, docs/architecture.md §3).
 
   q [B, Sq, H, 576] bf16 (absorbed q_nope 512 | q_rope 64); cache MLAKVCache; block_table int32 [B, max_pages];
@@ -460,8 +478,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   backend: "auto" | "mosaic_sm90" | "triton" | "xla"; interpret=True runs Pallas kernels in interpret mode.
   schedule: mla_decode_schedule's result for these lengths and shapes, shared by the layers of a step (None:
   computed inside, the same values). The results are identical either way.
+  q_rope: q's two parts apart, q [B, Sq, H, 512] (absorbed q_nope) and q_rope [B, Sq, H, 64]: the same result as
+  passing their concatenation, without writing it (a model that computes them apart passes them so).
   """
-  validate_inputs(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal)
+  validate_inputs(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal, q_rope=q_rope)
   target = _device_target(_default_device(q), cache.dtype, bool(interpret))
   name = select_backend(backend, target)
   sched_arrays = ()
@@ -469,6 +489,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     _check_schedule(schedule, name, q, cache, block_table)
     sched_arrays = schedule.arrays
   op = _make_op(name, float(softmax_scale), bool(causal), bool(interpret), cache.page_size,
-                cache.scale is not None, tuple(x.ndim for x in sched_arrays))
+                cache.scale is not None, tuple(x.ndim for x in sched_arrays), q_rope is not None)
   arrays = [cache.latent, cache.rope] + ([cache.scale] if cache.scale is not None else [])
-  return op(q, *arrays, block_table, seq_lens, *sched_arrays)
+  qs = (q,) if q_rope is None else (q, q_rope)
+  return op(*qs, *arrays, block_table, seq_lens, *sched_arrays)

@@ -51,7 +51,7 @@ from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
                                                     convert_fp8_part, dequant_layout, load_fp8_part, page_ahead,
-                                                    produce_pages, scale_layout, share_of_part)
+                                                    produce_pages, q_rope_of, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 
@@ -479,7 +479,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(w * HALF, HALF)], qn_smem.at[w], qbar.at[w])
           if w == 0:
             # rope: the last 64 columns of qr (q itself, or its rope part alone with an fp8 cache)
-            plgpu.copy_gmem_to_smem(qr_ref.at[bg, :, pl.ds(qr_ref.shape[-1] - ROPE_DIM, ROPE_DIM)], qr_smem,
+            plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem,
                                     qbar.at[2])
           plgpu.barrier_wait(qbar.at[w])
           if w == 0:
@@ -672,13 +672,23 @@ def _as_rows(x, rows_per_cta: int, groups: int):
   return x.reshape(batch * groups, rows_per_cta, d)
 
 
-def fp8_q_operands(q, rows_per_cta: int, groups: int):
-  """Q for an fp8 cache as the kernels read it: (latent part in f16 [B*G, rows, 512], rope part [B*G, rows, 64]).
-  Sliced before anything else, so when q is the model's concatenation of the absorbed q_nope and q_rope, XLA
-  takes each part from its own producer and the [.., 576] concatenation is never written (V3 slice on an H200,
-  4c8b9a4: the concatenation and the f16 cast were 6.1 µs each per layer)."""
+def q_operands(q, q_rope, rows_per_cta: int, groups: int):
+  """Q as the kernels read it: two [B*G, rows, D] operands, Q's latent part the first 512 columns of the first and
+  its rope part the last 64 columns of the second. q whole [.., 576] (q_rope None) is both, read where it is (a
+  reshape, no copy unless rows are padded); apart, q [.., 512] and q_rope [.., 64] (the model's two products, so
+  their concatenation is never written: V3 slice on an H200, ad387e9, 7.3 µs a layer)."""
+  first = _as_rows(q, rows_per_cta, groups)
+  return first, (first if q_rope is None else _as_rows(q_rope, rows_per_cta, groups))
+
+
+def fp8_q_operands(q, q_rope, rows_per_cta: int, groups: int):
+  """Q for the swapped kernel with an fp8 cache: (latent part in f16 [B*G, rows, 512], an operand whose last 64
+  columns are the rope part: q whole where no row is padded (no copy), else the rope part alone). The f16 cast of
+  the latent part is the one copy (with q the model's two products apart, XLA fuses it into the first)."""
   latent = _as_rows(q[..., :LATENT_DIM], rows_per_cta, groups).astype(jnp.float16)
-  return latent, _as_rows(q[..., LATENT_DIM:], rows_per_cta, groups)
+  if q_rope is None and rows_per_cta * groups != q.shape[1] * q.shape[2]:
+    q_rope = q[..., LATENT_DIM:]                   # pad only the rope columns
+  return latent, _as_rows(q if q_rope is None else q_rope, rows_per_cta, groups)
 
 
 def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, interpret, cut_pages: int = 0):
@@ -693,7 +703,7 @@ def _lens_and_schedule(block_table, seq_lens, *, num_parts: int, schedule, inter
 
 
 def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_scale: float, causal: bool,
-                     interpret, num_parts, num_stages, schedule, kernel="rows", **rows_plan):
+                     interpret, num_parts, num_stages, schedule, kernel="rows", q_rope=None, **rows_plan):
   """mla_decode through a kernel with 64 query rows per CTA, bf16 or fp8 cache: rows (mosaic_sm90_rows.py) or seesaw
   (mosaic_sm90_seesaw.py)."""
   batch, sq, heads, _ = q.shape
@@ -707,11 +717,9 @@ def _mla_decode_rows(q, cache: MLAKVCache, block_table, seq_lens, *, softmax_sca
                                                 interpret=interpret, cut_pages=_cut_pages(plan))
   call = module.build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                            num_pages=cache.num_pages, interpret=_interpret_params(interpret))
-  # Q's two parts in rows (reshapes at h128), sliced first so that XLA takes each from its producer and the
-  # model's [.., 576] concatenation is never written (V3 slice on an H200, ad387e9: 7.3 µs per layer); with an
-  # fp8 cache the kernel converts the latent part to f16 itself
-  operands = (_as_rows(q[..., :LATENT_DIM], mosaic_sm90_rows.ROWS, plan.groups),
-              _as_rows(q[..., LATENT_DIM:], mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
+  # Q read where it is (reshapes at h128): q whole, or the model's two parts apart; with an fp8 cache the kernel
+  # converts the latent part to f16 itself
+  operands = (*q_operands(q, q_rope, mosaic_sm90_rows.ROWS, plan.groups), cache.latent, cache.rope)
   if fp8:
     operands += (cache.scale,)
   o_part, lse2_part, *direct = call(*operands, block_table, lens, cu, sched)
@@ -734,8 +742,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                registers: dict | None = None, early_p0: bool | None = None,
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
                producer_dequant: bool | None = None, producers: int | None = None,
-               direct_write: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py.
+               direct_write: bool | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
+  Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
   what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
@@ -773,7 +782,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
-                            direct_write=direct_write, **(registers or {}))
+                            direct_write=direct_write, q_rope=q_rope, **(registers or {}))
   if registers is not None or early_p0 is not None or crossover is not None or direct_write is not None:
     raise ValueError("mosaic_sm90: registers, early_p0, crossover and direct_write apply to the seesaw kernel "
                      "(kernel='seesaw')")
@@ -786,7 +795,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                        "holds 64 rows per CTA and rounds P to bf16 (pass kernel='swapped' to use them)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page)
+                            prefetch_tiles=prefetch_tiles, rebase_per_page=rebase_per_page, q_rope=q_rope)
   if prefetch_tiles is not None or rebase_per_page is not None:
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
@@ -798,10 +807,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                                                 interpret=interpret)
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the
   # second array straight from these
-  if fp8:
-    q_nope, q_rope = fp8_q_operands(q, plan.n, plan.groups)
-  else:
-    q_nope = q_rope = _as_rows(q, plan.n, plan.groups)
+  q_nope, q_rope = (fp8_q_operands if fp8 else q_operands)(q, q_rope, plan.n, plan.groups)
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())

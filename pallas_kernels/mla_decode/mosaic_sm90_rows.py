@@ -65,8 +65,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, produce_pages, scale_layout, scaled_f16,
-                                                    share_of_part, start_q_latent, SWZ16)
+from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, produce_pages, q_rope_of, scale_layout,
+                                                    scaled_f16, share_of_part, start_q_latent, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -155,7 +155,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
-  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
+  """The pallas kernel: (q_lat [B*G, 64, >= 512] bf16 (its first 512 columns), q_rope [B*G, 64, 64 or 576] bf16 (its
+  last 64 columns; both can be q whole), latent, rope, (scale: fp8 cache),
   block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
   E = num_parts + batch. Q comes in its two parts so that the model's concatenation of them is never written
   (mosaic_sm90._mla_decode_rows slices it back; XLA takes each part from its producer)."""
@@ -325,11 +326,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           if w == 0 and not held:
             if fp8:
               plgpu.commit_smem()
-            plgpu.copy_gmem_to_smem(qr_ref.at[bg], qr_smem, qbar)
+            plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem, qbar)
           qr = None
           if held:
             # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
-            qr = plgpu.load(qr_ref.at[bg], layout=plgpu.Layout.WGMMA, optimized=False)
+            qr = plgpu.load(q_rope_of(qr_ref, bg), layout=plgpu.Layout.WGMMA, optimized=False)
             if not on_gpu:
               # this warpgroup's previous QKs are done with its copy (wgmma_wait in qk)
               qr_smem[w] = qr

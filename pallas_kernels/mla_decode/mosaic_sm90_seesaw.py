@@ -67,8 +67,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, cluster_fence, convert_fp8_part, load_fp8_part,
-                                                    page_ahead, share_of_part, split_vectors, start_q_latent,
-                                                    store_to_peer, SWZ16)
+                                                    page_ahead, q_rope_of, share_of_part, split_vectors,
+                                                    start_q_latent, store_to_peer, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -201,7 +201,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
                interpret):
-  """The pallas kernel: (q_lat [B*G, 64, 512] bf16, q_rope [B*G, 64, 64] bf16, latent, rope, (scale: fp8 cache),
+  """The pallas kernel: (q_lat [B*G, 64, >= 512] bf16 (its first 512 columns), q_rope [B*G, 64, 64 or 576] bf16 (its
+  last 64 columns; both can be q whole), latent, rope, (scale: fp8 cache),
   block_table, lens, cu, sched) -> (o_part f32 [E*G, 64, 512] normalized, lse2_part f32 [E*G, 64] log2 domain),
   E = num_parts + batch: mosaic_sm90_rows.build_call's contract. plan.direct_write adds (out bf16 [B, G, 64, 512]
   (with an fp8 cache its bits as float16, the type of the SMEM it leaves from), lse f32 [B, G, 64] natural log, +inf
@@ -498,7 +499,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last segment's output has left q_smem[w]
           start_q_latent(q_ref, bg, q_smem, qbar, w, fp8, HALF)
           # Q's rope [64, 64] bf16 straight from GMEM into the WGMMA layout, once a segment (16 registers)
-          qr = plgpu.load(qr_ref.at[bg], layout=wgmma_layout, optimized=False)
+          qr = plgpu.load(q_rope_of(qr_ref, bg), layout=wgmma_layout, optimized=False)
           if not on_gpu:
             qr_smem[w] = qr                 # this warpgroup's previous QKs are done with its copy
             plgpu.commit_smem()

@@ -23,6 +23,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+from pallas_kernels.mla_decode.cache import ROPE_DIM
+
 from pallas_kernels.mla_decode.cache import FP8_TILE
 
 
@@ -216,6 +218,12 @@ def scaled_f16(x, sc, col4, t: int, ok=None):
     ok_t = jnp.where(col4 == t, ok, 0.0).sum(axis=1)
     x = jnp.where(lax.broadcast_in_dim(ok_t, x.shape, [0]) > 0, x, jnp.zeros_like(x))
   return x
+
+
+def q_rope_of(qr_ref, bg):
+  """Q's rope part [rows, 64] of row block bg: the last 64 columns of its operand, which is q whole [.., 576] (the
+  kernel reads both parts from it where they are) or q_rope alone [.., 64]."""
+  return qr_ref.at[bg, :, pl.ds(qr_ref.shape[-1] - ROPE_DIM, ROPE_DIM)]
 
 
 def start_q_latent(q_ref, bg, q_smem, qbar, w: int, fp8: bool, half: int):

@@ -679,12 +679,14 @@ def test_rows_kernel_prefetch_refusals():
 
 
 def test_fp8_q_operands_never_write_the_concatenation():
-  """With an fp8 cache the kernels read Q's latent part (f16) and its rope part as two arrays, sliced before any
-  reshape: when q is a concatenation of the absorbed q_nope and q_rope (as the model builds it), XLA takes each
-  part from its own operand and no [.., 576] array is written (the optimized HLO has no concatenate)."""
-  a = jax.ShapeDtypeStruct((3, 2, 20, 512), jnp.bfloat16)     # [B, Sq, H, .] parts, as the engine's decode step
-  b = jax.ShapeDtypeStruct((3, 2, 20, 64), jnp.bfloat16)      # concatenates them (a reshape after it would hide them)
-  f = jax.jit(lambda a, b: ms.fp8_q_operands(jnp.concatenate([a, b], axis=-1), 64, 1))
+  """With an fp8 cache the swapped kernel reads Q's latent part (f16) from one array and its rope part from the
+  last 64 columns of another. With padded rows (40 of 64 here) q whole is sliced before the pad, so when q is a
+  concatenation of two parts XLA takes each from its own operand and no [.., 576] array is written (the optimized
+  HLO has no concatenate); q apart (q_rope=) gives the same arrays; without padding q whole is the rope operand
+  itself (a reshape, no copy)."""
+  a = jax.ShapeDtypeStruct((3, 2, 20, 512), jnp.bfloat16)     # [B, Sq, H, .] parts
+  b = jax.ShapeDtypeStruct((3, 2, 20, 64), jnp.bfloat16)
+  f = jax.jit(lambda a, b: ms.fp8_q_operands(jnp.concatenate([a, b], axis=-1), None, 64, 1))
   text = f.lower(a, b).compile().as_text()
   assert "concatenate" not in text
   rng = np.random.default_rng(0)
@@ -696,6 +698,14 @@ def test_fp8_q_operands_never_write_the_concatenation():
                                 np.asarray(an, np.float32).reshape(3, 40, 512))
   np.testing.assert_array_equal(np.asarray(rope[:, :40], np.float32), np.asarray(bn, np.float32).reshape(3, 40, 64))
   assert not np.asarray(lat[:, 40:], np.float32).any() and not np.asarray(rope[:, 40:], np.float32).any()
+  for x, y in zip((lat, rope), jax.jit(lambda a, b: ms.fp8_q_operands(a, b, 64, 1))(an, bn)):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+  # no padded rows (Sq * H = 32 = the CTA's rows): q whole is the rope operand, its last 64 columns the rope
+  q = jnp.concatenate([an[:, :, :16], bn[:, :, :16]], axis=-1)                       # [3, 2, 16, 576]
+  lat, rope = ms.fp8_q_operands(q, None, 32, 1)
+  assert rope.shape == (3, 32, 576)
+  np.testing.assert_array_equal(np.asarray(rope[..., 512:], np.float32),
+                                np.asarray(bn[:, :, :16], np.float32).reshape(3, 32, 64))
 
 
 @pytest.mark.parametrize("heads,sq,lens,causal,parts,ahead", [

@@ -478,9 +478,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           bg = b * g_count + grp              # (sequence, head group) row of q: a leading-dim TMA index
           plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(w * HALF, HALF)], qn_smem.at[w], qbar.at[w])
           if w == 0:
-            # rope: the last 64 columns of qr (q itself, or its rope part alone with an fp8 cache)
-            plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem,
-                                    qbar.at[2])
+            # rope: the last 64 columns of qr (q whole, or its rope part alone)
+            plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem, qbar.at[2])
           plgpu.barrier_wait(qbar.at[w])
           if w == 0:
             plgpu.barrier_wait(qbar.at[2])

@@ -88,3 +88,45 @@ def test_too_small_pool_is_refused_with_a_clear_error():
   err = _worker("refuse", PJRT_NPROC="2")["error"]
   assert err is not None
   assert f"at least {need} XLA:CPU intra-op threads" in err and "has 2" in err and "PJRT_NPROC=8" in err
+
+
+def test_interpret_threads_compile_one_at_a_time(monkeypatch):
+  """Importing pallas_kernels installs the serial-compile runner into interpret mode's thread_map; a kernel run
+  through it compiles each warpgroup's program under the lock (entered by both threads, never by two at once)
+  and gives the right output."""
+  import threading
+
+  import jax
+  import jax.numpy as jnp
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  import numpy as np
+  from jax._src.pallas.mosaic.interpret import thread_map
+
+  assert thread_map._run_jaxpr is gpu_interpret._run_jaxpr_compiled_serially
+  assert gpu_interpret.serialize_thread_compiles()                      # idempotent
+  real_lock, count_lock = gpu_interpret._COMPILE_LOCK, threading.Lock()
+  inside, most, entries = [0], [0], [0]
+
+  class CountingLock:
+    def __enter__(self):
+      real_lock.acquire()
+      with count_lock:
+        inside[0] += 1
+        entries[0] += 1
+        most[0] = max(most[0], inside[0])
+
+    def __exit__(self, *exc):
+      with count_lock:
+        inside[0] -= 1
+      real_lock.release()
+
+  monkeypatch.setattr(gpu_interpret, "_COMPILE_LOCK", CountingLock())
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+  x = jnp.arange(256, dtype=jnp.float32).reshape(2, 128)
+  run = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), num_threads=2, thread_name="wg",
+                     interpret=plgpu.InterpretGPUParams())
+  np.testing.assert_array_equal(np.asarray(run(x)), np.asarray(x) * 2.0)
+  assert entries[0] >= 2 and most[0] == 1 and inside[0] == 0

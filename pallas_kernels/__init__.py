@@ -15,8 +15,6 @@ from pallas_kernels import gpu_interpret
 # Before JAX creates its CPU client: enough XLA:CPU threads that Mosaic GPU interpret mode cannot deadlock
 # (gpu_interpret.py says why). Only raises the pool on machines with fewer than 8 usable cores.
 gpu_interpret.reserve_cpu_threads()
-# Interpret mode's warpgroup threads compile one at a time (a concurrent XLA:CPU compile crashed once in CI).
-gpu_interpret.serialize_thread_compiles()
 
 from pallas_kernels import w4a16
 from pallas_kernels.mla_decode import (CACHE_DTYPES, MLAKVCache, SplitKVSchedule, available_backends, mla_decode,

@@ -16,18 +16,10 @@ the launching computation's callback that waits for the block's threads. A pool 
 threads therefore always has a free thread. `reserve_cpu_threads` (run when pallas_kernels is imported) raises the
 pool to MIN_CPU_THREADS before JAX creates its CPU client; `check_cpu_threads` refuses to interpret a kernel on a
 smaller pool, with an error that says how to fix it, instead of letting it hang.
-
-Compilation: each of a block's warpgroup threads traces, lowers and compiles its computation itself
-(`_run_jaxpr`), so the first block of a kernel compiles the same program in 3 threads at once. One CI run
-(2 cores, 1ed350d) died with a segmentation fault inside XLA:CPU's compile in one such thread while the two
-others compiled too. `serialize_thread_compiles` (run when pallas_kernels is imported) makes those threads
-compile one at a time; they still run concurrently, and the lock is never held while a kernel runs, so it adds
-no wait a warpgroup could deadlock on.
 """
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import MutableMapping
 
 import jax
@@ -103,29 +95,3 @@ def check_cpu_threads(threads_per_block: int) -> None:
         f"With so few, every pool thread can end up holding a warpgroup that waits at a barrier, and the run hangs "
         f"forever. Set PJRT_NPROC={max(need, MIN_CPU_THREADS)} in the environment before JAX starts, or import "
         f"pallas_kernels (which sets it) before the first JAX computation.")
-
-
-_COMPILE_LOCK = threading.Lock()
-
-
-def _run_jaxpr_compiled_serially(jaxpr, consts, *args):
-  """thread_map._run_jaxpr (jax 0.11.2) with its trace / lower / compile under one process-wide lock."""
-  from jax._src.pallas.mosaic.interpret import thread_map
-  with _COMPILE_LOCK:
-    compiled = jax.jit(thread_map._run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-  compiled(consts, *args)
-
-
-def serialize_thread_compiles() -> bool:
-  """Installs _run_jaxpr_compiled_serially as interpret mode's per-thread runner; True if it is installed. Leaves
-  a JAX whose thread_map has another shape alone (False)."""
-  try:
-    from jax._src.pallas.mosaic.interpret import thread_map
-  except ImportError:
-    return False
-  if thread_map._run_jaxpr is _run_jaxpr_compiled_serially:
-    return True
-  if not (callable(getattr(thread_map, "_run", None)) and callable(getattr(thread_map, "_run_jaxpr", None))):
-    return False
-  thread_map._run_jaxpr = _run_jaxpr_compiled_serially
-  return True

@@ -1,8 +1,11 @@
 """Shared test helpers: paths of the HF reference fixtures written by scripts/make_fixtures.py."""
 
+import gc
 import os
 
+import jax
 import numpy as np
+import pytest
 
 from pallas_kernels import gpu_interpret
 
@@ -30,3 +33,14 @@ def load_golden(name: str) -> dict:
 # Scripts run in-process by tests (scripts/generate.py) turn on JAX's persistent compilation cache in the user's
 # cache directory by default; tests must not write there (tests/test_compile_cache.py uses a tmp dir).
 os.environ.setdefault("MLA_JAX_COMPILATION_CACHE", "off")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees JAX's compiled programs after each test module. Every XLA:CPU executable keeps ~3 memory mappings; the
+    whole suite in one process compiled enough of them to reach the kernel's vm.max_map_count (65530), where the
+    next compile died with a segmentation fault (CI at 1ed350d and 7a08939, both in test_w4a16_mosaic.py at 99%;
+    reproduced with max_map_count lowered to 3000 and the mappings used up first)."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -360,6 +360,13 @@ def timing_variants():
         for label, d, extra in (("direct", True, {}), ("direct l2_prefetch 0", True, dict(l2_prefetch=0)),
                                 ("direct parts 64", True, dict(num_parts=64)),
                                 ("merge all parts 64", False, dict(num_parts=64)))),
+      # the fp8 producer loading each page part while it converts the part before (loads_ahead), with the default
+      # L2 prefetch of one page pair and without it or with two
+      *((f"fp8_e4m3 h128{label} loads_ahead{l2}", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", loads_ahead=True, **({} if a is None else dict(l2_prefetch=a))))
+        for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
+                                         (" ragged[1..2L]", 1, 128, True))
+        for l2, a in (("", None), (" l2 0", 0), (" l2 2", 2)) if not (label and a is not None)),
   ]
 
 

@@ -367,6 +367,19 @@ def timing_variants():
         for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
                                          (" ragged[1..2L]", 1, 128, True))
         for l2, a in (("", None), (" l2 0", 0), (" l2 2", 2)) if not (label and a is not None)),
+      # loads_ahead without the L2 prefetch (the two hide the same latency) on the other shapes, and warpgroup 0
+      # handing P0 over early (early_p0, bf16's default) with an fp8 cache: in the SASS-mapped ncu of 6d32b45 the
+      # compute warpgroups wait most for slot 0's part B, the last part a pair frees (after [1]'s P0 V0_R)
+      *((f"fp8_e4m3 h128{label} loads_ahead l2 0", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", loads_ahead=True, l2_prefetch=0))
+        for label, sq, batch, ragged in ((" b64", 1, 64, False), (" sq2", 2, 128, False),
+                                         (" ragged[1..2L]", 1, 128, True))),
+      ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
+      ("fp8_e4m3 h128 b64 early_p0", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
+      ("fp8_e4m3 h128 loads_ahead l2 0 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", loads_ahead=True, l2_prefetch=0, early_p0=True)),
   ]
 
 

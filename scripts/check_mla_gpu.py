@@ -360,26 +360,6 @@ def timing_variants():
         for label, d, extra in (("direct", True, {}), ("direct l2_prefetch 0", True, dict(l2_prefetch=0)),
                                 ("direct parts 64", True, dict(num_parts=64)),
                                 ("merge all parts 64", False, dict(num_parts=64)))),
-      # the fp8 producer loading each page part while it converts the part before (loads_ahead), with the default
-      # L2 prefetch of one page pair and without it or with two
-      *((f"fp8_e4m3 h128{label} loads_ahead{l2}", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
-         dict(kernel="seesaw", loads_ahead=True, **({} if a is None else dict(l2_prefetch=a))))
-        for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
-                                         (" ragged[1..2L]", 1, 128, True))
-        for l2, a in (("", None), (" l2 0", 0), (" l2 2", 2)) if not (label and a is not None)),
-      # loads_ahead without the L2 prefetch (the two hide the same latency) on the other shapes, and warpgroup 0
-      # handing P0 over early (early_p0, bf16's default) with an fp8 cache: in the SASS-mapped ncu of 6d32b45 the
-      # compute warpgroups wait most for slot 0's part B, the last part a pair frees (after [1]'s P0 V0_R)
-      *((f"fp8_e4m3 h128{label} loads_ahead l2 0", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
-         dict(kernel="seesaw", loads_ahead=True, l2_prefetch=0))
-        for label, sq, batch, ragged in ((" b64", 1, 64, False), (" sq2", 2, 128, False),
-                                         (" ragged[1..2L]", 1, 128, True))),
-      ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", early_p0=True)),
-      ("fp8_e4m3 h128 b64 early_p0", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", early_p0=True)),
-      ("fp8_e4m3 h128 loads_ahead l2 0 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", loads_ahead=True, l2_prefetch=0, early_p0=True)),
   ]
 
 

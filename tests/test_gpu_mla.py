@@ -155,27 +155,6 @@ def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
-@pytest.mark.parametrize("l2_prefetch", [0, 1])
-@pytest.mark.parametrize("heads,sq,causal,lens", [
-    (128, 1, False, LENS),
-    (64, 2, True, LENS),
-    (128, 1, False, [640] * 12 + [0, 1]),
-])
-def test_seesaw_loads_ahead_vs_float64(heads, sq, causal, lens, l2_prefetch):
-  """fp8 loads_ahead (each page part's tiles loaded while the part before it is converted): the bits of the
-  producer without it, and within §3 of float64, with and without the L2 queue it takes its pages from."""
-  from pallas_kernels.mla_decode import mosaic_sm90
-  q, cache, table, lens_a = random_problem(heads + sq + len(lens) + 43, lens=lens, sq=sq, heads=heads,
-                                           dtype="fp8_e4m3")
-  runs = [jax.jit(lambda q, c, t, n, la=la: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", loads_ahead=la,
-                              l2_prefetch=l2_prefetch),
-      c, t, n))(q, cache, table, lens_a) for la in (True, False)]
-  for a, b in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert_matches_float64(*runs[0], q, cache, table, lens_a, causal)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, LENS),                                  # short sequences whole in a share, long ones split

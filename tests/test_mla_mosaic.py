@@ -893,53 +893,6 @@ def test_seesaw_l2_prefetch_interpret(dtype, heads, lens, parts, ahead):
   assert res["ok"], res
 
 
-@pytest.mark.parametrize("heads,sq,lens,parts,ahead", [
-    (64, 1, [70, 0, 5, 37, 128, 1, 190], 1, 1),   # one share over 7 segments: odd and even, empty, partial pages
-    (64, 1, [330, 2, 129, 64], 3, 0),             # without the L2 queue: the table read for each next part
-    (128, 1, [130, 1, 64, 200], 2, 2),
-    (128, 2, [1, 130, 0, 64, 37], 3, 1),          # Sq 2 causal
-])
-def test_seesaw_loads_ahead_interpret(heads, sq, lens, parts, ahead):
-  """fp8 loads_ahead (each page part's tiles loaded while the part before it is converted; odd last pages after
-  the pair loop; the look-ahead past a segment's end loads a clipped page and drops it): on NaN-poisoned caches,
-  the same bits as the producer without it, and within §3 of the float64 reference."""
-  q, cache, table, lens_a = random_problem(len(lens) + heads + 7 * ahead, lens=lens, sq=sq, heads=heads,
-                                           dtype="fp8_e4m3")
-  causal = sq > 1
-  runs = [run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="seesaw",
-                     l2_prefetch=ahead, loads_ahead=la) for la in (True, False)]
-  for a, b in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  ref_out, ref_lse, _ = f64_reference_abs(q, cache, table, lens_a, causal)
-  res = compare(*runs[0], ref_out, ref_lse)
-  assert res["ok"], res
-
-
-def test_seesaw_loads_ahead_interpret_no_races():
-  """Race detector on with loads_ahead: the look-ahead only reads GMEM, so the ring's hand-offs are unchanged."""
-  q, cache, table, lens = random_problem(11, lens=[330, 2, 129], sq=1, heads=64, dtype="fp8_e4m3")
-  out, lse = run_kernel(q, cache, table, lens, False, num_parts=2, kernel="seesaw", loads_ahead=True,
-                        interpret=plgpu.InterpretGPUParams(detect_races=True))
-  jax.block_until_ready(out)
-  assert not gpu_interpret.get_races().races_found
-  ref_out, ref_lse, _ = f64_reference_abs(q, cache, table, lens, False)
-  res = compare(out, lse, ref_out, ref_lse)
-  assert res["ok"], res
-
-
-def test_seesaw_loads_ahead_lowers_for_sm90():
-  """loads_ahead lowers for sm90 with the same SMEM (the tiles stay in registers) to a different program; the
-  default follows LOADS_AHEAD."""
-  from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
-  kw = dict(heads=128, sq=1, causal=False, kernel="seesaw")
-  plan = mss.make_plan(128, num_sms=8, fp8=True, loads_ahead=True)
-  lowered = _lower_rows_for_sm90(plan, **kw)
-  assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
-  assert lowered != _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=True, loads_ahead=False), **kw)
-  assert mss.make_plan(128, num_sms=8, fp8=True).loads_ahead == mss.LOADS_AHEAD
-  assert mss.make_plan(128, num_sms=8, fp8=False).loads_ahead is False
-
-
 @pytest.mark.parametrize("fp8,crossover", [(False, None), (True, None), (True, "stores")])
 def test_seesaw_l2_prefetch_lowers_for_sm90(fp8, crossover):
   """The prefetching producer lowers for sm90 with the same SMEM (a prefetch takes no buffer and no barrier), to a
@@ -996,18 +949,14 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and loads_ahead apply to the seesaw"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and loads_ahead apply to the seesaw"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and loads_ahead apply to the seesaw"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="rows", crossover=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and loads_ahead apply to the seesaw"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
     call(kernel="swapped", direct_write=False)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and loads_ahead apply to the seesaw"):
-    call(kernel="rows", loads_ahead=True)
-  with pytest.raises(ValueError, match="loads_ahead is the fp8 producer's"):
-    call(kernel="seesaw", loads_ahead=True)              # this problem's cache is bf16
   # its schedule has the rows kernel's shape (same row groups and shares; the payload may differ, as the seesaw's
   # direct write charges cut sequences), so either kernel takes either schedule
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

@@ -103,8 +103,6 @@ DEFAULT_L2_PREFETCH = 1
 # 405.7 (356.9). So fp8 is on too, with the payload rule charging a cut sequence its merge
 # (split_kv.CUT_PAGES_DIRECT), which picks 128-page shares there
 DIRECT_WRITE = {False: True, True: True}
-# make_plan's loads_ahead for an fp8 cache (Plan.loads_ahead): not yet measured on a GPU
-LOADS_AHEAD = False
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -144,10 +142,6 @@ class Plan:
   # and written as the op's bf16 output by its CTA (FlashMLA's kernel does the same), not as an f32 partial for the
   # merge to read: the merge then runs only for sequences split over shares. make_plan's default: on (DIRECT_WRITE)
   direct_write: bool = False
-  # fp8: the producer loads each page part's e4m3 tiles and scales while it converts the part before it, one tile
-  # after each conversion frees its registers (sm90_shared.convert_fp8_part's `then`), instead of in front of the
-  # part's own conversion. make_plan's default: LOADS_AHEAD
-  loads_ahead: bool = False
 
   @property
   def n(self) -> int:
@@ -173,7 +167,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               fp8: bool = False, producer_registers: int | None = None,
               compute_registers: int | None = None, early_p0: bool | None = None,
               crossover: bool | None = None, l2_prefetch: int | None = None,
-              direct_write: bool | None = None, loads_ahead: bool | None = None) -> Plan:
+              direct_write: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -199,15 +193,10 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if l2_prefetch is None:
     l2_prefetch = DEFAULT_L2_PREFETCH if fp8 and not crossover else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
-  if loads_ahead and not fp8:
-    raise ValueError("mosaic_sm90 seesaw kernel: loads_ahead is the fp8 producer's (a bf16 cache's pages come by "
-                     "TMA, issued a part ahead already)")
-  loads_ahead = LOADS_AHEAD and fp8 if loads_ahead is None else bool(loads_ahead)
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
-              direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
-              loads_ahead=loads_ahead)
+              direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -310,15 +299,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     def _producer():
       plgpu.set_max_registers(plan.producer_registers, action="decrease")
 
-      def load(b, j, slot, what, used, pg=None, tiles=None, then=None):
+      def load(b, j, slot, what, used, pg=None):
         """Part `what` of page j of sequence b (pool page pg when it was read ahead) into ring slot `slot`, once its
-        readers of the previous pair are done (used: pairs that used the slot before). fp8 with loads_ahead: its
-        tiles were loaded during the previous part (`tiles`), and it loads the next part's, then=(pool page, half),
-        returning them."""
+        readers of the previous pair are done (used: pairs that used the slot before)."""
         if pg is None:
           pg = jnp.clip(bt_ref[b, j], 0, num_pages - 1)     # a bad entry cannot fault (the api NaNs that row)
         loaded = (loaded_b if what == "b" else loaded_a).at[slot]
-        if fp8 and tiles is None:
+        if fp8:
           tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
         # (crossover: the wait is on both CTAs' readers, since this producer also writes into the peer's slot)
 
@@ -336,12 +323,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
         # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
         z = lax.shift_right_logical(used, 31)
-        nxt = store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded, then)
+        store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
         if plain:
           cluster_fence()                   # this thread's stores into the peer before the arrival below
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
         plgpu.barrier_arrive(loaded)
-        return nxt
 
       # token halves this producer converts: both, or (crossover) its own, cx
       token_halves = (cx,) if xo else (0, 1)
@@ -367,9 +353,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)."""
         return load_fp8_part(lat_ref, sc_ref, pg, half, token_halves)
 
-      def store_f16(part, pg, slot, half, n_valid, loaded, then=None):
+      def store_f16(part, pg, slot, half, n_valid, loaded):
         """The converted part into ring_lat[slot, half] (crossover: also into the peer's, arriving with the bytes on
-        its loaded barrier); then=(pool page, half): the next part's tiles, loaded between the conversions."""
+        its loaded barrier)."""
         def store(x, t, th):
           dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
           dst[...] = x
@@ -378,8 +364,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           elif xo:
             plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
 
-        return convert_fp8_part(part, half, n_valid, store, token_halves,
-                                None if then is None else (lat_ref, sc_ref, *then))
+        convert_fp8_part(part, half, n_valid, store, token_halves)
 
       ahead = plan.l2_prefetch          # interpret mode: the table reads run, the prefetches are no-ops
 
@@ -415,53 +400,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         n0, n1, _ = lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, (*counts, queue))
         return n0, n1
 
-      def seg_loads_ahead(b, counts):
-        """seg with the fp8 producer's loads one part ahead: each part's tiles are loaded while the part before it
-        is converted (convert_fp8_part's `then`), so a part's GMEM / L2 latency no longer stands in front of its
-        conversion. The parts in the same order (A0, B1, A1, B0 a pair); the pairs with a K1 run in the loop and an
-        odd last page after it, so that every part's loads are issued outside any branch. Past the segment's last
-        page the look-ahead loads a page clipped into the table and the pool, and drops it."""
-        lo, hi = seq_pages(b)
-        n_pages = jnp.maximum(hi - lo, 0)
-        queue = tuple(page_id(b, lo + j) for j in range(2 * ahead))
-        for j, pg in enumerate(queue):
-          prefetch(pg, lo + j, hi)
-        first = queue[0] if ahead else page_id(b, lo)
-        tiles = fp8_tiles(first, 0)                  # part A of the segment's first page
-
-        def pair(i, carry):
-          n0, n1, queue, tiles = carry
-          j0 = lo + 2 * i
-          if ahead:
-            pg0, pg1 = queue[:2]
-            jp = j0 + 2 * ahead
-            new = (page_id(b, jp), page_id(b, jp + 1))
-          else:
-            pg0, pg1 = page_id(b, j0), page_id(b, j0 + 1)
-          tiles = load(b, j0, 0, "a", n0, pg0, tiles, then=(pg1, 1))
-          if ahead:
-            prefetch(new[0], jp, hi)
-            prefetch(new[1], jp + 1, hi)
-            queue = queue[2:] + new
-          tiles = load(b, j0 + 1, 1, "b", n1, pg1, tiles, then=(pg1, 0))
-          tiles = load(b, j0 + 1, 1, "a", n1, pg1, tiles, then=(pg0, 1))
-          following = queue[0] if ahead else page_id(b, j0 + 2)     # the next pair's (or the odd last) page
-          tiles = load(b, j0, 0, "b", n0, pg0, tiles, then=(following, 0))
-          return n0 + 1, n1 + 1, queue, tiles
-
-        n0, n1, queue, tiles = lax.fori_loop(0, n_pages // 2, pair, (*counts, queue, tiles))
-        odd = n_pages % 2 == 1
-
-        @pl.when(odd)
-        def _():
-          pg = queue[0] if ahead else page_id(b, hi - 1)
-          rest = load(b, hi - 1, 0, "a", n0, pg, tiles, then=(pg, 1))
-          load(b, hi - 1, 0, "b", n0, pg, rest)
-
-        return n0 + odd.astype(jnp.int32), n1
-
-      n0, n1 = lax.fori_loop(b_first, b_last + 1, seg_loads_ahead if plan.loads_ahead else seg,
-                             (jnp.int32(0), jnp.int32(0)))
+      n0, n1 = lax.fori_loop(b_first, b_last + 1, seg, (jnp.int32(0), jnp.int32(0)))
       # observe the last releases too, so no barrier phase is left pending at exit
       for slot, n in ((0, n0), (1, n1)):
         @pl.when(n > 0)

@@ -13,8 +13,6 @@ mosaic_sm90_seesaw.py) share.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import jax.numpy as jnp
 from jax import lax
@@ -181,64 +179,33 @@ def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1)):
   + 256)) of pool page pg straight from GMEM, {(t, k): [32 tok, 128] column tile t of token half token_halves[k]}
   (8 bytes a thread each), and their scales {k: [32, 4]}. Issued before the caller waits for the slot, so that
   their latency passes under the wait."""
-  tiles = {(t, k): load_fp8_tile(lat_ref, pg, t, th)
+  tok, tile = CONVERT_TOKENS, FP8_TILE
+  tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)], layout=dequant_layout(),
+                              optimized=False)
            for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
-  scales = {k: load_fp8_scales(sc_ref, pg, th) for k, th in enumerate(token_halves)}
+  scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * tok, tok)], layout=scale_layout(), optimized=False)
+            for k, th in enumerate(token_halves)}
   return tiles, scales
 
 
-def load_fp8_tile(lat_ref, pg, t: int, th: int):
-  """Column tile t ([32 tok, 128] e4m3, dequant_layout) of token half th of pool page pg, from GMEM."""
-  tok, tile = CONVERT_TOKENS, FP8_TILE
-  return plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)], layout=dequant_layout(),
-                    optimized=False)
-
-
-def load_fp8_scales(sc_ref, pg, th: int):
-  """The [32 tok, 4] scales of token half th of pool page pg (scale_layout), from GMEM."""
-  return plgpu.load(sc_ref.at[pg, pl.ds(th * CONVERT_TOKENS, CONVERT_TOKENS)], layout=scale_layout(),
-                    optimized=False)
-
-
-def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1), then=None):
+def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1)):
   """load_fp8_part's (tiles, scales) -> f16 x each tile's power-of-two scale (exact), handed to store(x, t, th)
   tile by tile ([32 tok, 128] f16 in dequant_layout: column tile t, token half th). Tokens at or past n_valid (a
-  partial last page) -> 0 by select: they may hold NaN; only such a page pays the select.
-
-  then=(lat_ref, sc_ref, pg, half'): the producer's next part (latent half half' of pool page pg) is loaded tile
-  by tile as this part's tiles are converted, each load issued right after the conversion that frees its
-  registers, and returned as load_fp8_part would: its latency then runs under this part's conversion and stores
-  instead of in front of the next part's, with no more tiles in registers at once than one part's."""
+  partial last page) -> 0 by select: they may hold NaN; only such a page pays the select."""
   tiles, scales = part
 
-  def convert(masked: bool, k: int, th: int, ts):
-    col4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 1, layout=scale_layout())
-    if masked:
-      row4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 0, layout=scale_layout())
-      ok = (row4 + th * CONVERT_TOKENS < n_valid).astype(jnp.float32)
-    for t in ts:
-      store(scaled_f16(tiles[t, k], scales[k], col4, t, ok if masked else None), t, th)
+  def convert(masked: bool):
+    for k, th in enumerate(token_halves):
+      col4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 1, layout=scale_layout())
+      if masked:
+        row4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 0, layout=scale_layout())
+        ok = (row4 + th * CONVERT_TOKENS < n_valid).astype(jnp.float32)
+      for t in (2 * half, 2 * half + 1):
+        store(scaled_f16(tiles[t, k], scales[k], col4, t, ok if masked else None), t, th)
 
   page = 2 * CONVERT_TOKENS
-  if then is None:
-    def convert_all(masked: bool):
-      for k, th in enumerate(token_halves):
-        convert(masked, k, th, (2 * half, 2 * half + 1))
-
-    pl.when(n_valid >= page)(lambda: convert_all(False))
-    pl.when(n_valid < page)(lambda: convert_all(True))
-    return None
-
-  lat_ref, sc_ref, next_pg, next_half = then
-  next_tiles, next_scales = {}, {}
-  for k, th in enumerate(token_halves):
-    for i, t in enumerate((2 * half, 2 * half + 1)):
-      # one branch pair a tile, so that the next part's loads between them are values outside every branch
-      pl.when(n_valid >= page)(functools.partial(convert, False, k, th, (t,)))
-      pl.when(n_valid < page)(functools.partial(convert, True, k, th, (t,)))
-      next_tiles[2 * next_half + i, k] = load_fp8_tile(lat_ref, next_pg, 2 * next_half + i, th)
-    next_scales[k] = load_fp8_scales(sc_ref, next_pg, th)
-  return next_tiles, next_scales
+  pl.when(n_valid >= page)(lambda: convert(False))
+  pl.when(n_valid < page)(lambda: convert(True))
 
 
 def scaled_f16(x, sc, col4, t: int, ok=None):

@@ -360,6 +360,13 @@ def timing_variants():
         for label, d, extra in (("direct", True, {}), ("direct l2_prefetch 0", True, dict(l2_prefetch=0)),
                                 ("direct parts 64", True, dict(num_parts=64)),
                                 ("merge all parts 64", False, dict(num_parts=64)))),
+      # the producer filling slot 0's part B (the part the next pair's QK waits for most) before slot 1's part A
+      *((f"{dt} h128{label} b0_before_a1", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", b0_before_a1=True))
+        for dt, label, sq, batch, ragged in (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
+                                             ("fp8_e4m3", " sq2", 2, 128, False),
+                                             ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
+                                             ("bfloat16", "", 1, 128, False))),
   ]
 
 

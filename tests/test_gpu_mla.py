@@ -156,6 +156,22 @@ def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
+def test_seesaw_b0_before_a1_vs_float64(dtype, heads, sq, causal):
+  """The seesaw kernel with the producer order its cache does not take by default (b0_before_a1): the bits of the
+  other order, and within §3 of float64."""
+  from pallas_kernels.mla_decode import mosaic_sm90, mosaic_sm90_seesaw
+  first = not mosaic_sm90_seesaw.B0_BEFORE_A1[dtype == "fp8_e4m3"]
+  q, cache, table, lens = random_problem(heads + sq + 29, lens=LENS, sq=sq, heads=heads, dtype=dtype)
+  runs = [jax.jit(lambda q, c, t, n, o=o: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", b0_before_a1=o),
+      c, t, n))(q, cache, table, lens) for o in (first, not first)]
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert_matches_float64(*runs[0], q, cache, table, lens, causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, LENS),                                  # short sequences whole in a share, long ones split
     (64, 2, True, LENS),

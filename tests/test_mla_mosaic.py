@@ -893,6 +893,29 @@ def test_seesaw_l2_prefetch_interpret(dtype, heads, lens, parts, ahead):
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("dtype,heads,sq,lens,parts", [
+    ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128, 1, 190], 1),   # one share over 7 segments: odd and even, empty, partial
+    ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], 3),          # Sq 2 causal
+    ("bfloat16", 64, 1, [330, 2, 129], 2),
+])
+def test_seesaw_b0_before_a1_interpret(dtype, heads, sq, lens, parts):
+  """b0_before_a1 (the producer fills slot 0's part B before slot 1's part A): on NaN-poisoned caches the same bits
+  as the release order, and within §3 of the float64 reference; the race detector sees no new hazard."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 31, lens=lens, sq=sq, heads=heads, dtype=dtype)
+  causal = sq > 1
+  runs = [run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", b0_before_a1=True,
+                     interpret=plgpu.InterpretGPUParams(detect_races=True))]
+  jax.block_until_ready(runs[0])
+  assert not gpu_interpret.get_races().races_found
+  runs.append(run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", b0_before_a1=False,
+                         interpret=True))
+  for a, b in zip(*runs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
+  res = compare(*runs[0], ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
+  assert res["ok"], res
+
+
 @pytest.mark.parametrize("fp8,crossover", [(False, None), (True, None), (True, "stores")])
 def test_seesaw_l2_prefetch_lowers_for_sm90(fp8, crossover):
   """The prefetching producer lowers for sm90 with the same SMEM (a prefetch takes no buffer and no barrier), to a
@@ -949,14 +972,16 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
     call(kernel="rows", crossover=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover and direct_write apply to the seesaw kernel"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
     call(kernel="swapped", direct_write=False)
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+    call(kernel="rows", b0_before_a1=True)
   # its schedule has the rows kernel's shape (same row groups and shares; the payload may differ, as the seesaw's
   # direct write charges cut sequences), so either kernel takes either schedule
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

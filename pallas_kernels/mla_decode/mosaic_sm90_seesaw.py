@@ -103,6 +103,8 @@ DEFAULT_L2_PREFETCH = 1
 # 405.7 (356.9). So fp8 is on too, with the payload rule charging a cut sequence its merge
 # (split_kv.CUT_PAGES_DIRECT), which picks 128-page shares there
 DIRECT_WRITE = {False: True, True: True}
+# make_plan's b0_before_a1 by cache (fp8?): not yet measured on a GPU
+B0_BEFORE_A1 = {False: False, True: False}
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -142,6 +144,11 @@ class Plan:
   # and written as the op's bf16 output by its CTA (FlashMLA's kernel does the same), not as an f32 partial for the
   # merge to read: the merge then runs only for sequences split over shares. make_plan's default: on (DIRECT_WRITE)
   direct_write: bool = False
+  # the producer fills slot 0's part B before slot 1's part A, not in the order the previous pair frees them (A1 is
+  # freed before B0, by [0]'s P1 V1_L; B0 last, by [1]'s P0 V0_R). With an fp8 cache each part is converted in
+  # turn, and in ncu (H100, 6d32b45, stalls mapped to the SASS) the compute warpgroups waited most for B0, which
+  # [0]'s QK needs right after part A at the start of the next pair; A1 is [1]'s, whose pair starts later
+  b0_before_a1: bool = False
 
   @property
   def n(self) -> int:
@@ -167,7 +174,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               fp8: bool = False, producer_registers: int | None = None,
               compute_registers: int | None = None, early_p0: bool | None = None,
               crossover: bool | None = None, l2_prefetch: int | None = None,
-              direct_write: bool | None = None) -> Plan:
+              direct_write: bool | None = None, b0_before_a1: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -196,7 +203,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
-              direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write))
+              direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
+              b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -393,8 +401,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             prefetch(new[1], jp + 1, hi)
             queue = queue[2:] + new
           pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1, pg1))
+          if plan.b0_before_a1:
+            load(b, j0, 0, "b", n0, pg0)
           pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1, pg1))
-          load(b, j0, 0, "b", n0, pg0)
+          if not plan.b0_before_a1:
+            load(b, j0, 0, "b", n0, pg0)
           return n0 + 1, n1 + has1.astype(jnp.int32), queue
 
         n0, n1, _ = lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, (*counts, queue))

@@ -367,6 +367,16 @@ def timing_variants():
                                              ("fp8_e4m3", " sq2", 2, 128, False),
                                              ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
                                              ("bfloat16", "", 1, 128, False))),
+      # warpgroup 1's P0 V0_R before its P1 V1_R (slot 0's part B freed mid-pair), and early_p0 with an fp8 cache
+      *((f"{dt} h128{label} p0_first{e}", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", p0_first=True, **({"early_p0": True} if e else {})))
+        for dt, label, sq, batch, ragged in (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
+                                             ("fp8_e4m3", " sq2", 2, 128, False),
+                                             ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
+                                             ("bfloat16", "", 1, 128, False))
+        for e in ("", " early_p0") if not (e and (label or dt == "bfloat16"))),
+      ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="seesaw", early_p0=True)),
   ]
 
 

@@ -157,6 +157,19 @@ def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
+def test_seesaw_p0_first_vs_float64(dtype, heads, sq, causal):
+  """The seesaw kernel with warpgroup 1's P0 V0_R before its P1 V1_R (p0_first) against float64."""
+  from pallas_kernels.mla_decode import mosaic_sm90, mosaic_sm90_seesaw
+  first = not mosaic_sm90_seesaw.P0_FIRST[dtype == "fp8_e4m3"]
+  q, cache, table, lens = random_problem(heads + sq + 31, lens=LENS, sq=sq, heads=heads, dtype=dtype)
+  out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", p0_first=first),
+      c, t, n))(q, cache, table, lens)
+  assert_matches_float64(out, lse, q, cache, table, lens, causal)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
 def test_seesaw_b0_before_a1_vs_float64(dtype, heads, sq, causal):
   """The seesaw kernel with the producer order its cache does not take by default (b0_before_a1): the bits of the
   other order, and within §3 of float64."""

@@ -916,6 +916,26 @@ def test_seesaw_b0_before_a1_interpret(dtype, heads, sq, lens, parts):
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("dtype,heads,sq,lens,parts", [
+    ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128, 1, 190], 1),   # one share over 7 segments: odd and even, empty, partial
+    ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], 3),          # Sq 2 causal
+    ("bfloat16", 64, 1, [330, 2, 129], 2),
+])
+def test_seesaw_p0_first_interpret(dtype, heads, sq, lens, parts):
+  """p0_first (warpgroup 1's P0 V0_R before its P1 V1_R, its QK over slot 1's part A first, the producer's order
+  A0, B0, A1, B1): on NaN-poisoned caches within §3 of the float64 reference (O_R sums its two products in the
+  other order: not the same bits), with the race detector on."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 37, lens=lens, sq=sq, heads=heads, dtype=dtype)
+  causal = sq > 1
+  out, lse = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", p0_first=True,
+                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert not gpu_interpret.get_races().races_found
+  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
+  res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
+  assert res["ok"], res
+
+
 @pytest.mark.parametrize("fp8,crossover", [(False, None), (True, None), (True, "stores")])
 def test_seesaw_l2_prefetch_lowers_for_sm90(fp8, crossover):
   """The prefetching producer lowers for sm90 with the same SMEM (a prefetch takes no buffer and no barrier), to a
@@ -972,16 +992,18 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
     call(kernel="rows", crossover=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
     call(kernel="swapped", direct_write=False)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write and b0_before_a1 apply to the"):
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
     call(kernel="rows", b0_before_a1=True)
+  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1 and p0_first apply"):
+    call(kernel="swapped", p0_first=True)
   # its schedule has the rows kernel's shape (same row groups and shares; the payload may differ, as the seesaw's
   # direct write charges cut sequences), so either kernel takes either schedule
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

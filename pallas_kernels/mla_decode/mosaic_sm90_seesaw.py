@@ -108,6 +108,8 @@ DIRECT_WRITE = {False: True, True: True}
 # ragged [1, 2L] 409.5 -> 386.5; bf16 b128 h128 281.3 -> 286.8 (its TMA pages land a few hundred ns after a release,
 # so the order costs nothing there, and its [1] then waits for A1)
 B0_BEFORE_A1 = {False: False, True: True}
+# make_plan's p0_first by cache (fp8?): not yet measured on a GPU
+P0_FIRST = {False: False, True: False}
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -152,6 +154,9 @@ class Plan:
   # turn, and in ncu (H100, 6d32b45, stalls mapped to the SASS) the compute warpgroups waited most for B0, which
   # [0]'s QK needs right after part A at the start of the next pair; A1 is [1]'s, whose pair starts later
   b0_before_a1: bool = False
+  # warpgroup 1 runs P0 V0_R before P1 V1_R (and its QK reads slot 1's part A first), so slot 0's part B is freed
+  # mid-pair and B1 last; the producer fills A0, B0, A1, B1. make_plan's default: P0_FIRST
+  p0_first: bool = False
 
   @property
   def n(self) -> int:
@@ -177,7 +182,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               fp8: bool = False, producer_registers: int | None = None,
               compute_registers: int | None = None, early_p0: bool | None = None,
               crossover: bool | None = None, l2_prefetch: int | None = None,
-              direct_write: bool | None = None, b0_before_a1: bool | None = None) -> Plan:
+              direct_write: bool | None = None, b0_before_a1: bool | None = None,
+              p0_first: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -207,7 +213,8 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
               direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
-              b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1))
+              b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1),
+              p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first))
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -397,18 +404,20 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
             # stored, so the reads' latency passes under that work
             jp = j0 + 2 * ahead
             new = (page_id(b, jp), page_id(b, jp + 1))
-          # in the order the previous pair frees them: A0 ([0] mid-pair), B1 ([1] mid-pair), A1, B0 (pair ends)
+          # in the order the previous pair frees them: A0 ([0] mid-pair), B1 ([1] mid-pair), A1, B0 (pair ends);
+          # b0_before_a1: B0 before A1; p0_first ([1] frees B0 mid-pair, B1 last): A0, B0, A1, B1
           load(b, j0, 0, "a", n0, pg0)
           if ahead:
             prefetch(new[0], jp, hi)
             prefetch(new[1], jp + 1, hi)
             queue = queue[2:] + new
-          pl.when(has1)(lambda: load(b, j0 + 1, 1, "b", n1, pg1))
-          if plan.b0_before_a1:
-            load(b, j0, 0, "b", n0, pg0)
-          pl.when(has1)(lambda: load(b, j0 + 1, 1, "a", n1, pg1))
-          if not plan.b0_before_a1:
-            load(b, j0, 0, "b", n0, pg0)
+          order = (("0b", "1a", "1b") if plan.p0_first else ("1b", "0b", "1a") if plan.b0_before_a1
+                   else ("1b", "1a", "0b"))
+          for which in order:
+            if which == "0b":
+              load(b, j0, 0, "b", n0, pg0)
+            else:
+              pl.when(has1)(functools.partial(load, b, j0 + 1, 1, which[1], n1, pg1))
           return n0 + 1, n1 + has1.astype(jnp.int32), queue
 
         n0, n1, _ = lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + 1) // 2, pair, (*counts, queue))
@@ -464,7 +473,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                           ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)
             plgpu.wgmma(s_ref, qr if on_gpu else qr_smem.at[w + z], ring_rope.at[slot + z].T)
 
-          for f in ((part_a, part_b) if slot == 0 else (part_b, part_a)):
+          for f in ((part_a, part_b) if slot == 0 or plan.p0_first else (part_b, part_a)):
             f()
           plgpu.wgmma_wait(0)
           return s_ref[...]
@@ -595,6 +604,16 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                   plgpu.barrier_arrive(consumed_b1)
                   return acc
 
+              def p0_v0r(acc):
+                plgpu.barrier_wait(p0bar)
+                wait_loaded(loaded_b.at[0])
+                zero_tail(0, 1, n0, z)      # after [0]'s QK (p0bar)
+                acc = pv(acc, pbuf.at[0 + z], ring_lat.at[0 + z, 1], own=False)
+                plgpu.barrier_arrive(consumed_b0)
+                return acc
+
+              if w == 1 and plan.p0_first:
+                acc = p0_v0r(acc)
               p1_v = p1_v1l if w == 0 else p1_v1r                      # only where the pair has a K1
               if on_gpu:
                 @pl.when(has1)
@@ -602,12 +621,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                   p1_v(acc)
               else:
                 acc = lax.cond(has1, p1_v, lambda a: a, acc)
-              if w == 1:
-                plgpu.barrier_wait(p0bar)
-                wait_loaded(loaded_b.at[0])
-                zero_tail(0, 1, n0, z)      # after [0]'s QK (p0bar)
-                acc = pv(acc, pbuf.at[0 + z], ring_lat.at[0 + z, 1], own=False)
-                plgpu.barrier_arrive(consumed_b0)
+              if w == 1 and not plan.p0_first:
+                acc = p0_v0r(acc)
               return (m1, l_mine) if on_gpu else (m1, l_mine, acc)
 
             return pair

@@ -3,9 +3,10 @@
 Schedule: the batch's pages, in sequence order, are cut into at most `num_parts` equal shares of `payload` pages:
 share p covers flat pages [p * payload, (p + 1) * payload) and sequences b_first..b_last. The payload is the
 smallest that covers the batch or up to SNAP_CANDIDATES - 1 pages more where that cuts fewer sequences
-(mosaic_sm90.share_pages has the rule; a cut costs more where the kernel writes whole sequences' outputs itself). `schedule_kernel` computes the
-page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one program; plain XLA needs ~7
-small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference the tests compare it with).
+(mosaic_sm90.share_pages has the rule; a cut costs more where the kernel writes whole sequences' outputs itself).
+`schedule_kernel` computes the page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one
+program; plain XLA needs ~7 small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference
+the tests compare it with).
 
 Merge: sequence b (flat pages [cu[b], cu[b+1])) has partials from shares p = cu[b] // payload ...
 (cu[b+1] - 1) // payload, stored at entries e = p + b. Each partial is normalized (o) with its log2-domain

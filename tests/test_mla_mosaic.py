@@ -893,44 +893,28 @@ def test_seesaw_l2_prefetch_interpret(dtype, heads, lens, parts, ahead):
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("option", ["b0_before_a1", "p0_first"])
 @pytest.mark.parametrize("dtype,heads,sq,lens,parts", [
     ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128, 1, 190], 1),   # one share over 7 segments: odd and even, empty, partial
     ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], 3),          # Sq 2 causal
     ("bfloat16", 64, 1, [330, 2, 129], 2),
 ])
-def test_seesaw_b0_before_a1_interpret(dtype, heads, sq, lens, parts):
-  """b0_before_a1 (the producer fills slot 0's part B before slot 1's part A): on NaN-poisoned caches the same bits
-  as the release order, and within §3 of the float64 reference; the race detector sees no new hazard."""
+def test_seesaw_orders_interpret(option, dtype, heads, sq, lens, parts):
+  """The seesaw kernel's other part orders, on NaN-poisoned caches with the race detector on, within §3 of the
+  float64 reference: b0_before_a1 (the producer fills slot 0's part B before slot 1's part A), also the same bits
+  as without it; p0_first (warpgroup 1's P0 V0_R before its P1 V1_R, its QK over slot 1's part A first, the
+  producer's order A0, B0, A1, B1; O_R sums its two products the other way round: not the same bits)."""
   q, cache, table, lens_a = random_problem(len(lens) + heads + 31, lens=lens, sq=sq, heads=heads, dtype=dtype)
   causal = sq > 1
-  runs = [run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", b0_before_a1=True,
-                     interpret=plgpu.InterpretGPUParams(detect_races=True))]
-  jax.block_until_ready(runs[0])
-  assert not gpu_interpret.get_races().races_found
-  runs.append(run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", b0_before_a1=False,
-                         interpret=True))
-  for a, b in zip(*runs):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
-  res = compare(*runs[0], ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
-  assert res["ok"], res
-
-
-@pytest.mark.parametrize("dtype,heads,sq,lens,parts", [
-    ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128, 1, 190], 1),   # one share over 7 segments: odd and even, empty, partial
-    ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], 3),          # Sq 2 causal
-    ("bfloat16", 64, 1, [330, 2, 129], 2),
-])
-def test_seesaw_p0_first_interpret(dtype, heads, sq, lens, parts):
-  """p0_first (warpgroup 1's P0 V0_R before its P1 V1_R, its QK over slot 1's part A first, the producer's order
-  A0, B0, A1, B1): on NaN-poisoned caches within §3 of the float64 reference (O_R sums its two products in the
-  other order: not the same bits), with the race detector on."""
-  q, cache, table, lens_a = random_problem(len(lens) + heads + 37, lens=lens, sq=sq, heads=heads, dtype=dtype)
-  causal = sq > 1
-  out, lse = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", p0_first=True,
+  out, lse = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", **{option: True},
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
+  if option == "b0_before_a1":
+    other = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", b0_before_a1=False,
+                       interpret=True)
+    for a, b in zip((out, lse), other):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens_a, causal)
   res = compare(out, lse, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
   assert res["ok"], res

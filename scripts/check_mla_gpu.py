@@ -377,6 +377,11 @@ def timing_variants():
         for e in ("", " early_p0") if not (e and (label or dt == "bfloat16"))),
       ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", early_p0=True)),
+      # slot 0's part B released to warpgroup 0's QK tile by tile (the QK over it starts half a part earlier)
+      *((f"fp8_e4m3 h128{label} b0_by_tile", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", b0_by_tile=True))
+        for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
+                                         (" ragged[1..2L]", 1, 128, True))),
       # the same calls with every sequence's pages drawn from 512 full pages (L2-resident): the on-chip bound
       # (256 bf16 pages: 18.9 MB)
       *((f"{dt} h{h} l2 resident", dt, h, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=n))

@@ -110,6 +110,8 @@ DIRECT_WRITE = {False: True, True: True}
 B0_BEFORE_A1 = {False: False, True: True}
 # make_plan's p0_first by cache (fp8?): not yet measured on a GPU
 P0_FIRST = {False: False, True: False}
+# make_plan's b0_by_tile for an fp8 cache without crossover: not yet measured on a GPU
+B0_BY_TILE = False
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -157,6 +159,12 @@ class Plan:
   # warpgroup 1 runs P0 V0_R before P1 V1_R (and its QK reads slot 1's part A first), so slot 0's part B is freed
   # mid-pair and B1 last; the producer fills A0, B0, A1, B1. make_plan's default: P0_FIRST
   p0_first: bool = False
+  # fp8: slot 0's part B is released to warpgroup 0's QK in two column tiles, [256, 384) on a barrier of its own
+  # once the producer has converted it, then [384, 512) and the rope on loaded_b, so the QK over part B starts
+  # half a part's conversion earlier (B0 is the part that QK waits for: b0_before_a1). Warpgroup 1's P0 V0_R
+  # waits for the whole part (loaded_b, whose release comes after the first tile's). make_plan's default:
+  # B0_BY_TILE
+  b0_by_tile: bool = False
 
   @property
   def n(self) -> int:
@@ -164,7 +172,8 @@ class Plan:
 
   @property
   def smem_bytes(self) -> int:
-    return smem_bytes() + (16 if self.crossover == "stores" else 0)    # + the rope's own 2 barriers
+    # + the rope's own 2 barriers (crossover "stores"), + b0_by_tile's barrier
+    return smem_bytes() + (16 if self.crossover == "stores" else 0) + (8 if self.b0_by_tile else 0)
 
 
 def smem_bytes() -> int:
@@ -183,7 +192,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               compute_registers: int | None = None, early_p0: bool | None = None,
               crossover: bool | None = None, l2_prefetch: int | None = None,
               direct_write: bool | None = None, b0_before_a1: bool | None = None,
-              p0_first: bool | None = None) -> Plan:
+              p0_first: bool | None = None, b0_by_tile: bool | None = None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -209,12 +218,16 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if l2_prefetch is None:
     l2_prefetch = DEFAULT_L2_PREFETCH if fp8 and not crossover else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
+  if b0_by_tile and not (fp8 and not crossover):
+    raise ValueError("mosaic_sm90 seesaw kernel: b0_by_tile splits the fp8 producer's conversion of slot 0's part "
+                     "B (an fp8 cache without crossover; a bf16 page comes by TMA whole)")
+  b0_by_tile = B0_BY_TILE and fp8 and not crossover if b0_by_tile is None else bool(b0_by_tile)
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
               direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
               b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1),
-              p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first))
+              p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first), b0_by_tile=b0_by_tile)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -274,6 +287,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       lbar=plgpu.Barrier(num_arrivals=2))                                        # row sums written (segment done)
   if plain:
     scratch["rope_loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)     # part B's rope, by TMA
+  if plan.b0_by_tile:
+    scratch["loaded_b0t"] = plgpu.Barrier(num_arrivals=1)    # slot 0's latent [256, 384) converted (the producer)
   if not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
     scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=SWZ16)
@@ -301,6 +316,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
     rope_loaded = r.get("rope_loaded")
+    loaded_b0t = r.get("loaded_b0t")
 
     def wait_loaded(bar, rope_slot=None):
       plgpu.barrier_wait(bar)
@@ -341,7 +357,15 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
         # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
         z = lax.shift_right_logical(used, 31)
-        store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
+        if loaded_b0t is not None and what == "b" and slot == 0:
+          # the first column tile released on its own barrier: [0]'s QK over part B starts on it
+          n_valid = lens_ref[b] - j * PAGE
+          store_f16(tiles, pg, slot + z, 1, n_valid, loaded, col_tiles=(2,))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(loaded_b0t)
+          store_f16(tiles, pg, slot + z, 1, n_valid, loaded, col_tiles=(3,))
+        else:
+          store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
         if plain:
           cluster_fence()                   # this thread's stores into the peer before the arrival below
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
@@ -371,7 +395,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)."""
         return load_fp8_part(lat_ref, sc_ref, pg, half, token_halves)
 
-      def store_f16(part, pg, slot, half, n_valid, loaded):
+      def store_f16(part, pg, slot, half, n_valid, loaded, col_tiles=None):
         """The converted part into ring_lat[slot, half] (crossover: also into the peer's, arriving with the bytes on
         its loaded barrier)."""
         def store(x, t, th):
@@ -382,7 +406,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           elif xo:
             plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
 
-        convert_fp8_part(part, half, n_valid, store, token_halves)
+        convert_fp8_part(part, half, n_valid, store, token_halves, col_tiles)
 
       ahead = plan.l2_prefetch          # interpret mode: the table reads run, the prefetches are no-ops
 
@@ -467,8 +491,12 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                           ring_lat.at[slot + z, 0, :, pl.ds(cc * CHUNK, CHUNK)].T)
 
           def part_b():
-            wait_loaded(loaded_b.at[slot], rope_slot=slot)
+            by_tile = loaded_b0t is not None and slot == 0
+            if by_tile:
+              plgpu.barrier_wait(loaded_b0t)          # latent [256, 384) first (b0_by_tile)
             for cc in range(HALF // CHUNK):
+              if cc == (FP8_TILE // CHUNK if by_tile else 0):
+                wait_loaded(loaded_b.at[slot], rope_slot=slot)
               plgpu.wgmma(s_ref, q_smem.at[1 + z, :, pl.ds(cc * CHUNK, CHUNK)],
                           ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)
             plgpu.wgmma(s_ref, qr if on_gpu else qr_smem.at[w + z], ring_rope.at[slot + z].T)

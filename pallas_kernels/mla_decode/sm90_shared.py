@@ -188,11 +188,13 @@ def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1)):
   return tiles, scales
 
 
-def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1)):
+def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1), col_tiles=None):
   """load_fp8_part's (tiles, scales) -> f16 x each tile's power-of-two scale (exact), handed to store(x, t, th)
   tile by tile ([32 tok, 128] f16 in dequant_layout: column tile t, token half th). Tokens at or past n_valid (a
-  partial last page) -> 0 by select: they may hold NaN; only such a page pays the select."""
+  partial last page) -> 0 by select: they may hold NaN; only such a page pays the select. col_tiles: only these
+  column tiles of the part (None: both)."""
   tiles, scales = part
+  col_tiles = (2 * half, 2 * half + 1) if col_tiles is None else col_tiles
 
   def convert(masked: bool):
     for k, th in enumerate(token_halves):
@@ -200,7 +202,7 @@ def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1)):
       if masked:
         row4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 0, layout=scale_layout())
         ok = (row4 + th * CONVERT_TOKENS < n_valid).astype(jnp.float32)
-      for t in (2 * half, 2 * half + 1):
+      for t in col_tiles:
         store(scaled_f16(tiles[t, k], scales[k], col4, t, ok if masked else None), t, th)
 
   page = 2 * CONVERT_TOKENS

@@ -377,11 +377,13 @@ def timing_variants():
         for e in ("", " early_p0") if not (e and (label or dt == "bfloat16"))),
       ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", early_p0=True)),
-      # slot 0's part B released to warpgroup 0's QK tile by tile (the QK over it starts half a part earlier)
-      *((f"fp8_e4m3 h128{label} b0_by_tile", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
-         dict(kernel="seesaw", b0_by_tile=True))
+      # page parts released to their QK tile by tile (the QK over them starts half a part's conversion earlier):
+      # slot 0's part B ([0]'s), and with it slot 1's part A ([1]'s, converted last)
+      *((f"fp8_e4m3 h128{label} tiles {' '.join(parts)}", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
+         dict(kernel="seesaw", tile_release=parts))
         for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
-                                         (" ragged[1..2L]", 1, 128, True))),
+                                         (" ragged[1..2L]", 1, 128, True))
+        for parts in (("b0",), ("a1", "b0"))),
       # the same calls with every sequence's pages drawn from 512 full pages (L2-resident): the on-chip bound
       # (256 bf16 pages: 18.9 MB)
       *((f"{dt} h{h} l2 resident", dt, h, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=n))

@@ -168,22 +168,26 @@ def test_seesaw_p0_first_vs_float64(dtype, heads, sq, causal):
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
 
 
-@pytest.mark.parametrize("option", ["b0_before_a1", "b0_by_tile"])
+@pytest.mark.parametrize("option", ["b0_before_a1", "tile_release b0", "tile_release a1 b0"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,sq,causal", [(128, 1, False), (64, 2, True)])
 def test_seesaw_producer_option_vs_float64(option, dtype, heads, sq, causal):
   """The seesaw kernel with the producer option set the other way from its cache's default (b0_before_a1: slot
-  0's part B filled before slot 1's part A; b0_by_tile, fp8: part B of slot 0 released to warpgroup 0's QK tile by
-  tile): the bits of the default, and within §3 of float64."""
+  0's part B filled before slot 1's part A; tile_release, fp8: page parts released to their QK tile by tile): the
+  bits of the default, and within §3 of float64."""
   from pallas_kernels.mla_decode import mosaic_sm90, mosaic_sm90_seesaw as mss
   fp8 = dtype == "fp8_e4m3"
-  if option == "b0_by_tile" and not fp8:
-    pytest.skip("b0_by_tile is the fp8 producer's")
-  default = mss.B0_BEFORE_A1[fp8] if option == "b0_before_a1" else mss.B0_BY_TILE
+  if option.startswith("tile_release") and not fp8:
+    pytest.skip("tile_release is the fp8 producer's")
+  if option == "b0_before_a1":
+    values = (not mss.B0_BEFORE_A1[fp8], mss.B0_BEFORE_A1[fp8])
+  else:
+    option, parts = option.split()[0], tuple(option.split()[1:])
+    values = (parts, mss.TILE_RELEASE)
   q, cache, table, lens = random_problem(heads + sq + 29, lens=LENS, sq=sq, heads=heads, dtype=dtype)
   runs = [jax.jit(lambda q, c, t, n, o=o: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", **{option: o}),
-      c, t, n))(q, cache, table, lens) for o in (not default, default)]
+      c, t, n))(q, cache, table, lens) for o in values]
   for a, b in zip(*runs):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert_matches_float64(*runs[0], q, cache, table, lens, causal)

@@ -876,16 +876,16 @@ def test_seesaw_kernel_lowers_for_sm90(fp8, heads, sq, causal):
   assert other.early_p0 == fp8 and _lower_rows_for_sm90(other, **kw) != lowered
 
 
-def test_seesaw_b0_by_tile_lowers_for_sm90():
-  """b0_by_tile lowers for sm90 with its one more barrier counted in smem_bytes as Mosaic counts it, to a program
-  that differs from the one without."""
+def test_seesaw_tile_release_lowers_for_sm90():
+  """tile_release lowers for sm90 with its barriers (one a part) counted in smem_bytes as Mosaic counts them, to a
+  program that differs from the one without."""
   from pallas_kernels.mla_decode import mosaic_sm90_seesaw as mss
   kw = dict(heads=128, sq=1, causal=False, kernel="seesaw")
-  plan = mss.make_plan(128, num_sms=8, fp8=True, b0_by_tile=True)
+  plan = mss.make_plan(128, num_sms=8, fp8=True, tile_release=("a1", "b0"))
   lowered = _lower_rows_for_sm90(plan, **kw)
   assert _mosaic_smem_bytes(plan, **kw) == plan.smem_bytes <= mss.SMEM_LIMIT
-  assert lowered != _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=True, b0_by_tile=False), **kw)
-  assert mss.make_plan(128, num_sms=8, fp8=True).b0_by_tile == mss.B0_BY_TILE
+  assert lowered != _lower_rows_for_sm90(mss.make_plan(128, num_sms=8, fp8=True, tile_release=()), **kw)
+  assert mss.make_plan(128, num_sms=8, fp8=True).tile_release == mss.TILE_RELEASE
 
 
 @pytest.mark.parametrize("dtype,heads,lens,parts,ahead", [
@@ -905,7 +905,7 @@ def test_seesaw_l2_prefetch_interpret(dtype, heads, lens, parts, ahead):
   assert res["ok"], res
 
 
-@pytest.mark.parametrize("option", ["b0_before_a1", "p0_first", "b0_by_tile"])
+@pytest.mark.parametrize("option", ["b0_before_a1", "p0_first", "tile_release"])
 @pytest.mark.parametrize("dtype,heads,sq,lens,parts", [
     ("fp8_e4m3", 64, 1, [70, 0, 5, 37, 128, 1, 190], 1),   # one share over 7 segments: odd and even, empty, partial
     ("fp8_e4m3", 128, 2, [1, 130, 0, 64, 37], 3),          # Sq 2 causal
@@ -915,18 +915,20 @@ def test_seesaw_orders_interpret(option, dtype, heads, sq, lens, parts):
   """The seesaw kernel's other part orders, on NaN-poisoned caches with the race detector on, within §3 of the
   float64 reference: b0_before_a1 (the producer fills slot 0's part B before slot 1's part A), also the same bits
   as without it; p0_first (warpgroup 1's P0 V0_R before its P1 V1_R, its QK over slot 1's part A first, the
-  producer's order A0, B0, A1, B1; O_R sums its two products the other way round: not the same bits); b0_by_tile
-  (fp8: slot 0's part B released to warpgroup 0's QK tile by tile), the same bits as without it."""
-  if option == "b0_by_tile" and dtype != "fp8_e4m3":
-    pytest.skip("b0_by_tile is the fp8 producer's (test_seesaw_kernel_rejects_what_it_cannot_run)")
+  producer's order A0, B0, A1, B1; O_R sums its two products the other way round: not the same bits);
+  tile_release (fp8: slot 0's part B and slot 1's part A released to their QK tile by tile), the same bits as
+  without it."""
+  if option == "tile_release" and dtype != "fp8_e4m3":
+    pytest.skip("tile_release is the fp8 producer's (test_seesaw_kernel_rejects_what_it_cannot_run)")
   q, cache, table, lens_a = random_problem(len(lens) + heads + 31, lens=lens, sq=sq, heads=heads, dtype=dtype)
   causal = sq > 1
-  out, lse = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", **{option: True},
+  on, off = (("a1", "b0"), ()) if option == "tile_release" else (True, False)
+  out, lse = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", **{option: on},
                         interpret=plgpu.InterpretGPUParams(detect_races=True))
   jax.block_until_ready(out)
   assert not gpu_interpret.get_races().races_found
   if option != "p0_first":
-    other = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", **{option: False},
+    other = run_kernel(q, cache, table, lens_a, causal, num_parts=parts, kernel="seesaw", **{option: off},
                        interpret=True)
     for a, b in zip((out, lse), other):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -991,20 +993,23 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", prefetch_tiles=2)
   with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="rows", registers=dict(producer_registers=72))
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="swapped", early_p0=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="rows", crossover=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="swapped", direct_write=False)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="rows", b0_before_a1=True)
-  with pytest.raises(ValueError, match="registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and b0_by_tile apply"):
+  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="swapped", p0_first=True)
-  with pytest.raises(ValueError, match="b0_by_tile splits the fp8 producer's conversion"):
-    call(kernel="seesaw", b0_by_tile=True)                 # this problem's cache is bf16
+  with pytest.raises(ValueError, match="tile_release splits the fp8 producer's conversion"):
+    call(kernel="seesaw", tile_release=("b0",))            # this problem's cache is bf16
+  with pytest.raises(ValueError, match="tile_release is a tuple of page parts"):
+    ms.mla_decode(*random_problem(3, lens=[70], sq=1, heads=64, dtype="fp8_e4m3"), softmax_scale=SCALE,
+                  causal=False, interpret=True, kernel="seesaw", tile_release=("b1",))
   # its schedule has the rows kernel's shape (same row groups and shares; the payload may differ, as the seesaw's
   # direct write charges cut sequences), so either kernel takes either schedule
   sched = [ms.make_schedule(lens, table.shape[1], rows=128, fp8=False, interpret=True, kernel=k)

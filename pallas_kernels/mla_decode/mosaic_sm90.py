@@ -742,7 +742,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
-               b0_by_tile: bool | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               tile_release: tuple[str, ...] | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
@@ -766,8 +766,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's
   producer fills slot 0's part B before slot 1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
   p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
-  P0_FIRST). b0_by_tile: the seesaw kernel's fp8 producer releases slot 0's part B to warpgroup 0's QK in two
-  column tiles (mosaic_sm90_seesaw.Plan.b0_by_tile; None: B0_BY_TILE).
+  P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two
+  column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -787,11 +787,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
                             direct_write=direct_write, b0_before_a1=b0_before_a1, p0_first=p0_first,
-                            b0_by_tile=b0_by_tile, q_rope=q_rope, **(registers or {}))
+                            tile_release=tile_release, q_rope=q_rope, **(registers or {}))
   if (registers is not None or early_p0 is not None or crossover is not None or direct_write is not None
-      or b0_before_a1 is not None or p0_first is not None or b0_by_tile is not None):
+      or b0_before_a1 is not None or p0_first is not None or tile_release is not None):
     raise ValueError("mosaic_sm90: registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and "
-                     "b0_by_tile apply to the seesaw kernel (kernel='seesaw')")
+                     "tile_release apply to the seesaw kernel (kernel='seesaw')")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers), to the swapped kernel (kernel='seesaw' or 'swapped')")

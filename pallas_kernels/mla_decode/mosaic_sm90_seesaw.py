@@ -113,8 +113,10 @@ B0_BEFORE_A1 = {False: False, True: True}
 # make_plan's p0_first by cache (fp8?). One H100, 42d71d3, whole call µs, default -> p0_first: fp8 b128 h128 340.6 ->
 # 346.3, b64 174.3 -> 179.9, Sq 2 699.9 -> 666.9, ragged 383.5 -> 392.3; bf16 280.7 -> 290.8: off (Sq 2 alone gains)
 P0_FIRST = {False: False, True: False}
-# make_plan's b0_by_tile for an fp8 cache without crossover: not yet measured on a GPU
-B0_BY_TILE = False
+# the parts tile_release can name, and make_plan's default for an fp8 cache without crossover (not yet measured on
+# a GPU)
+TILE_PARTS = ("b0", "a1")
+TILE_RELEASE = ()
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers
@@ -162,12 +164,12 @@ class Plan:
   # warpgroup 1 runs P0 V0_R before P1 V1_R (and its QK reads slot 1's part A first), so slot 0's part B is freed
   # mid-pair and B1 last; the producer fills A0, B0, A1, B1. make_plan's default: P0_FIRST
   p0_first: bool = False
-  # fp8: slot 0's part B is released to warpgroup 0's QK in two column tiles, [256, 384) on a barrier of its own
-  # once the producer has converted it, then [384, 512) and the rope on loaded_b, so the QK over part B starts
-  # half a part's conversion earlier (B0 is the part that QK waits for: b0_before_a1). Warpgroup 1's P0 V0_R
-  # waits for the whole part (loaded_b, whose release comes after the first tile's). make_plan's default:
-  # B0_BY_TILE
-  b0_by_tile: bool = False
+  # fp8: page parts released to their QK in two column tiles, the first on a barrier of its own once the producer
+  # has converted it, the second (and part B's rope) on the part's loaded barrier, so that QK starts half a part's
+  # conversion earlier: "b0" (warpgroup 0's QK over slot 0's part B, the part it waits for most: b0_before_a1),
+  # "a1" (warpgroup 1's QK over slot 1's part A, converted last with b0_before_a1). The P.V readers wait for the
+  # whole part (its loaded barrier, released after the first tile's). make_plan's default: TILE_RELEASE
+  tile_release: tuple[str, ...] = ()
 
   @property
   def n(self) -> int:
@@ -175,8 +177,8 @@ class Plan:
 
   @property
   def smem_bytes(self) -> int:
-    # + the rope's own 2 barriers (crossover "stores"), + b0_by_tile's barrier
-    return smem_bytes() + (16 if self.crossover == "stores" else 0) + (8 if self.b0_by_tile else 0)
+    # + the rope's own 2 barriers (crossover "stores"), + a barrier a part released by tile
+    return smem_bytes() + (16 if self.crossover == "stores" else 0) + 8 * len(self.tile_release)
 
 
 def smem_bytes() -> int:
@@ -195,7 +197,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
               compute_registers: int | None = None, early_p0: bool | None = None,
               crossover: bool | None = None, l2_prefetch: int | None = None,
               direct_write: bool | None = None, b0_before_a1: bool | None = None,
-              p0_first: bool | None = None, b0_by_tile: bool | None = None) -> Plan:
+              p0_first: bool | None = None, tile_release=None) -> Plan:
   if num_stages not in (None, 2):
     raise ValueError(f"mosaic_sm90 seesaw kernel: its ring is the pair of pages it works on (2 slots), got "
                      f"num_stages={num_stages}")
@@ -221,16 +223,21 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   if l2_prefetch is None:
     l2_prefetch = DEFAULT_L2_PREFETCH if fp8 and not crossover else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
-  if b0_by_tile and not (fp8 and not crossover):
-    raise ValueError("mosaic_sm90 seesaw kernel: b0_by_tile splits the fp8 producer's conversion of slot 0's part "
-                     "B (an fp8 cache without crossover; a bf16 page comes by TMA whole)")
-  b0_by_tile = B0_BY_TILE and fp8 and not crossover if b0_by_tile is None else bool(b0_by_tile)
+  if tile_release is None:
+    tile_release = TILE_RELEASE if fp8 and not crossover else ()
+  tile_release = tuple(sorted(set(tile_release))) if isinstance(tile_release, (tuple, list)) else tile_release
+  if not isinstance(tile_release, tuple) or not set(tile_release) <= set(TILE_PARTS):
+    raise ValueError(f"mosaic_sm90 seesaw kernel: tile_release is a tuple of page parts from {TILE_PARTS}, got "
+                     f"{tile_release!r}")
+  if tile_release and not (fp8 and not crossover):
+    raise ValueError("mosaic_sm90 seesaw kernel: tile_release splits the fp8 producer's conversion of a page part "
+                     "(an fp8 cache without crossover; a bf16 page comes by TMA whole)")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
               crossover=crossover, l2_prefetch=l2_prefetch,
               direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
               b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1),
-              p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first), b0_by_tile=b0_by_tile)
+              p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first), tile_release=tile_release)
 
 
 def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, softmax_scale: float, num_pages: int,
@@ -290,8 +297,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       lbar=plgpu.Barrier(num_arrivals=2))                                        # row sums written (segment done)
   if plain:
     scratch["rope_loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)     # part B's rope, by TMA
-  if plan.b0_by_tile:
-    scratch["loaded_b0t"] = plgpu.Barrier(num_arrivals=1)    # slot 0's latent [256, 384) converted (the producer)
+  for part_name in plan.tile_release:     # the part's first column tile converted (the producer)
+    scratch[f"loaded_{part_name}_tile"] = plgpu.Barrier(num_arrivals=1)
   if not on_gpu:
     # interpret mode runs no register A operand: each warpgroup's own P and its copy of Q's rope through SMEM
     scratch["own_p"] = plgpu.SMEM((2, ROWS, PAGE), dt, transforms=SWZ16)
@@ -319,7 +326,8 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
     rope_loaded = r.get("rope_loaded")
-    loaded_b0t = r.get("loaded_b0t")
+    # (what, slot) -> the barrier of the part's first column tile (tile_release)
+    tile_loaded = {(n[0], int(n[1])): r[f"loaded_{n}_tile"] for n in plan.tile_release}
 
     def wait_loaded(bar, rope_slot=None):
       plgpu.barrier_wait(bar)
@@ -360,13 +368,13 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
         # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
         z = lax.shift_right_logical(used, 31)
-        if loaded_b0t is not None and what == "b" and slot == 0:
-          # the first column tile released on its own barrier: [0]'s QK over part B starts on it
-          n_valid = lens_ref[b] - j * PAGE
-          store_f16(tiles, pg, slot + z, 1, n_valid, loaded, col_tiles=(2,))
+        if (what, slot) in tile_loaded:
+          # the first column tile released on its own barrier: the QK over this part starts on it
+          n_valid, half = lens_ref[b] - j * PAGE, 0 if what == "a" else 1
+          store_f16(tiles, pg, slot + z, half, n_valid, loaded, col_tiles=(2 * half,))
           plgpu.commit_smem()
-          plgpu.barrier_arrive(loaded_b0t)
-          store_f16(tiles, pg, slot + z, 1, n_valid, loaded, col_tiles=(3,))
+          plgpu.barrier_arrive(tile_loaded[what, slot])
+          store_f16(tiles, pg, slot + z, half, n_valid, loaded, col_tiles=(2 * half + 1,))
         else:
           store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
         if plain:
@@ -487,21 +495,21 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         """S [64 rows, 64 tok] = Q . K^T of the page in `slot` (log2 domain, masked), each part waited for as it
         comes: warpgroup 0 (slot 0) reads part A first, warpgroup 1 (slot 1) part B first (the producer's order)."""
         def qk(s_ref):
-          def part_a():
-            wait_loaded(loaded_a.at[slot])
+          def latent(what):
+            half, first_tile = (0 if what == "a" else 1), tile_loaded.get((what, slot))
+            if first_tile is not None:
+              plgpu.barrier_wait(first_tile)          # its first column tile (tile_release)
             for cc in range(HALF // CHUNK):
-              plgpu.wgmma(s_ref, q_smem.at[0 + z, :, pl.ds(cc * CHUNK, CHUNK)],
-                          ring_lat.at[slot + z, 0, :, pl.ds(cc * CHUNK, CHUNK)].T)
+              if cc == (FP8_TILE // CHUNK if first_tile is not None else 0):
+                wait_loaded((loaded_b if half else loaded_a).at[slot], rope_slot=slot if half else None)
+              plgpu.wgmma(s_ref, q_smem.at[half + z, :, pl.ds(cc * CHUNK, CHUNK)],
+                          ring_lat.at[slot + z, half, :, pl.ds(cc * CHUNK, CHUNK)].T)
+
+          def part_a():
+            latent("a")
 
           def part_b():
-            by_tile = loaded_b0t is not None and slot == 0
-            if by_tile:
-              plgpu.barrier_wait(loaded_b0t)          # latent [256, 384) first (b0_by_tile)
-            for cc in range(HALF // CHUNK):
-              if cc == (FP8_TILE // CHUNK if by_tile else 0):
-                wait_loaded(loaded_b.at[slot], rope_slot=slot)
-              plgpu.wgmma(s_ref, q_smem.at[1 + z, :, pl.ds(cc * CHUNK, CHUNK)],
-                          ring_lat.at[slot + z, 1, :, pl.ds(cc * CHUNK, CHUNK)].T)
+            latent("b")
             plgpu.wgmma(s_ref, qr if on_gpu else qr_smem.at[w + z], ring_rope.at[slot + z].T)
 
           for f in ((part_a, part_b) if slot == 0 or plan.p0_first else (part_b, part_a)):

@@ -742,7 +742,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
-               tile_release: tuple[str, ...] | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               tile_release: tuple[str, ...] | None = None,
+               q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 

@@ -191,6 +191,12 @@ def fp8_seesaw_register_splits(label: str, splits, **kw):
           for p, c in splits]
 
 
+# (dtype, name label, Sq, batch, ragged) of h128 L4096 on which the seesaw kernel's orders of work are timed
+ORDER_SHAPES = (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
+                ("fp8_e4m3", " sq2", 2, 128, False), ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
+                ("bfloat16", "", 1, 128, False))
+
+
 def timing_variants():
   """(name, dtype, heads, sq, batch, L, ragged, backend, kwargs for mosaic_sm90.mla_decode).
 
@@ -363,26 +369,19 @@ def timing_variants():
       # the producer filling slot 0's part B (the part the next pair's QK waits for most) before slot 1's part A
       *((f"{dt} h128{label} b0_before_a1", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
          dict(kernel="seesaw", b0_before_a1=True))
-        for dt, label, sq, batch, ragged in (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
-                                             ("fp8_e4m3", " sq2", 2, 128, False),
-                                             ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
-                                             ("bfloat16", "", 1, 128, False))),
+        for dt, label, sq, batch, ragged in ORDER_SHAPES),
       # warpgroup 1's P0 V0_R before its P1 V1_R (slot 0's part B freed mid-pair), and early_p0 with an fp8 cache
       *((f"{dt} h128{label} p0_first{e}", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
          dict(kernel="seesaw", p0_first=True, **({"early_p0": True} if e else {})))
-        for dt, label, sq, batch, ragged in (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
-                                             ("fp8_e4m3", " sq2", 2, 128, False),
-                                             ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
-                                             ("bfloat16", "", 1, 128, False))
+        for dt, label, sq, batch, ragged in ORDER_SHAPES
         for e in ("", " early_p0") if not (e and (label or dt == "bfloat16"))),
       ("fp8_e4m3 h128 early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", early_p0=True)),
       # page parts released to their QK tile by tile (the QK over them starts half a part's conversion earlier):
       # slot 0's part B ([0]'s), and with it slot 1's part A ([1]'s, converted last)
-      *((f"fp8_e4m3 h128{label} tiles {' '.join(parts)}", "fp8_e4m3", 128, sq, batch, 4096, ragged, "mosaic_sm90",
+      *((f"{dt} h128{label} tiles {' '.join(parts)}", dt, 128, sq, batch, 4096, ragged, "mosaic_sm90",
          dict(kernel="seesaw", tile_release=parts))
-        for label, sq, batch, ragged in (("", 1, 128, False), (" b64", 1, 64, False), (" sq2", 2, 128, False),
-                                         (" ragged[1..2L]", 1, 128, True))
+        for dt, label, sq, batch, ragged in ORDER_SHAPES if dt == "fp8_e4m3"
         for parts in (("b0",), ("a1", "b0"))),
       # the same calls with every sequence's pages drawn from 512 full pages (L2-resident): the on-chip bound
       # (256 bf16 pages: 18.9 MB)
@@ -396,9 +395,9 @@ def l2_resident_table(table, lens, pool: int):
   each sequence from its own offset into it: the same work and schedule, but a working set that fits in L2 (512
   fp8 pages are 21.5 MB of the 50 MB), so the kernel's time is its on-chip bound rather than HBM's. The values
   differ from the problem's; only its time is of use."""
-  t, lens = np.asarray(table), np.asarray(lens)
-  pages = -(-lens // 64)
-  if np.any(lens % 64) or pages.sum() < pool:
+  t, lens, page = np.asarray(table), np.asarray(lens), mosaic_sm90.PAGE
+  pages = -(-lens // page)
+  if np.any(lens % page) or pages.sum() < pool:
     raise ValueError("l2_pool_pages needs whole pages and at least that many in the batch")
   full = np.concatenate([t[b, :k] for b, k in enumerate(pages)])[:pool]
   out = t.copy()

@@ -375,7 +375,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
           plgpu.commit_smem()
           plgpu.barrier_arrive(tile_loaded[what, slot])
           store_f16(tiles, pg, slot + z, half, n_valid, loaded, col_tiles=(2 * half + 1,))
-        else:
+        else:       # (the length read in each branch: read once above the if, the measured PTX reorders)
           store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
         if plain:
           cluster_fence()                   # this thread's stores into the peer before the arrival below

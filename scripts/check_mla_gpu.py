@@ -387,6 +387,14 @@ def timing_variants():
       # (256 bf16 pages: 18.9 MB)
       *((f"{dt} h{h} l2 resident", dt, h, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=n))
         for dt, h, n in (("fp8_e4m3", 16, 512), ("bfloat16", 16, 256), ("fp8_e4m3", 128, 512))),
+      # the swapped kernel's compute warpgroups on alternate pages (two in flight, no per-page score swap)
+      *((f"fp8_e4m3 h{h}{label} alternate{' producers 1' if p == 1 else ''}", "fp8_e4m3", h, 1, batch, length,
+         ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=p, alternate=True, **kw))
+        for h, label, batch, length, ragged, kw in (
+            (16, "", 128, 4096, False, {}), (16, " ragged[1..2L]", 128, 4096, True, {}),
+            (16, " b32 L16384", 32, 16384, False, {}), (8, "", 128, 4096, False, {}),
+            (16, " l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+        for p in ((2, 1) if not label else (2,))),
   ]
 
 

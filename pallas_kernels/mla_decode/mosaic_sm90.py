@@ -82,10 +82,16 @@ class Plan:
   # producer_dequant with 2: two producer warpgroups, each converting one latent half of every page (the first one
   # also issues the rope's TMA), so a page's conversion takes half the time; up to 16 rows a CTA (registers)
   producers: int = 1
+  # producer_dequant, up to 16 rows a CTA: the two compute warpgroups take alternate pages of the f16 ring (each the
+  # whole 576-wide QK and 512-wide P.V of its pages, with its own online softmax) instead of both taking every
+  # page's two latent halves and swapping partial scores; warpgroup 1 hands its state to warpgroup 0 at the end of
+  # each sequence's segment. Two pages are in flight in the compute warpgroups and no per-page exchange links them.
+  # Needs the 2-slot ring (slot = warpgroup).
+  alternate: bool = False
 
   @property
   def smem_bytes(self) -> int:
-    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant)
+    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate)
 
   @property
   def num_warpgroups(self) -> int:
@@ -94,7 +100,7 @@ class Plan:
   @property
   def registers(self) -> tuple[int, int]:
     """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
-    return producer_dequant_registers(self.n, self.producers)
+    return producer_dequant_registers(self.n, self.producers, self.alternate)
 
 
 # registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
@@ -104,7 +110,9 @@ class Plan:
 # 436 / 484 for the swapped kernel without producer_dequant; h32 with the whole page ahead: 248-408 B at any split)
 # With two producers (4 warpgroups: 512 threads, 128 registers each on average) each loads only its half page (~40
 # registers) and the compute warpgroups at 16 rows hold O^T half [256, 16] f32 (32) and the [64, 16] scores and sums.
-def producer_dequant_registers(n: int, producers: int = 1) -> tuple[int, int]:
+def producer_dequant_registers(n: int, producers: int = 1, alternate: bool = False) -> tuple[int, int]:
+  if alternate and producers == 2:
+    return ALTERNATE_REGISTERS
   if producers == 2:
     return (96, 160)
   return (120, 192) if n <= 16 else (88, 208)
@@ -118,17 +126,25 @@ MAX_L2_PREFETCH_PAGES = 8
 PRODUCER_DEQUANT_MIN_ROWS = 16
 TWO_PRODUCERS_ROWS = 16
 DEFAULT_L2_PREFETCH_PAGES = 2
+# Plan.alternate: opt-in until measured on a GPU
+ALTERNATE = False
+ALTERNATE_MAX_ROWS = 16
+# with two producers: each compute warpgroup holds a whole O^T [512, 16] f32 (64 registers) and its page's scores
+ALTERNATE_REGISTERS = (96, 160)
 
 
-def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False) -> int:
+def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
+                alternate: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8 and not producer_dequant:
     ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
-  exchange = 2 * PAGE * n * 4
+  exchange = 2 * PAGE * n * 4                     # score swap; alternate: warpgroup 1's max and sums
   p = 2 * n * PAGE * 2 * (2 if split_p else 1)
-  return q + ring + exchange + p + _reduction_scratch_bytes(n) + 1024
+  # alternate: warpgroup 1's O^T, and a second reduction scratch region (each warpgroup reduces its own values)
+  extra = LATENT_DIM * n * 4 + _reduction_scratch_bytes(n) if alternate else 0
+  return q + ring + exchange + p + _reduction_scratch_bytes(n) + extra + 1024
 
 
 def _reduction_scratch_bytes(n: int) -> int:
@@ -162,7 +178,8 @@ MAX_ROWS_PER_CTA = 32
 
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
               rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
-              l2_prefetch: int | None = None, producers: int | None = None) -> Plan:
+              l2_prefetch: int | None = None, producers: int | None = None,
+              alternate: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -170,6 +187,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
   producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
   DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
+  alternate (Plan.alternate; None: ALTERNATE) needs producer_dequant, at most 16 rows a CTA and 2 ring slots.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
@@ -198,18 +216,28 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: producers=2 splits producer_dequant's page conversion between two warpgroups; it "
                      f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
                      f"{producer_dequant} with {n} rows a CTA")
+  if alternate is None:
+    alternate = ALTERNATE and producer_dequant and n <= ALTERNATE_MAX_ROWS
+  alternate = bool(alternate)
+  if alternate and not (producer_dequant and n <= ALTERNATE_MAX_ROWS):
+    raise ValueError(f"mosaic_sm90: alternate (the compute warpgroups take alternate pages of the f16 ring) needs "
+                     f"producer_dequant (fp8) and at most {ALTERNATE_MAX_ROWS} rows a CTA (a whole [512, N] f32 "
+                     f"accumulator a warpgroup), got producer_dequant={producer_dequant} with {n} rows a CTA")
+  if alternate and num_stages not in (None, 2):
+    raise ValueError(f"mosaic_sm90: alternate gives each compute warpgroup one slot of a 2-slot ring; got "
+                     f"num_stages={num_stages}")
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
-  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant) <= SMEM_LIMIT
+  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate) <= SMEM_LIMIT
   if num_stages is None:
-    num_stages = max((s for s in range(1, 5) if fits(s)), default=0)
+    num_stages = 2 if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
-                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant)} bytes of "
-                     f"SMEM, over {SMEM_LIMIT}")
+                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate)} "
+                     f"bytes of SMEM, over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-              producers=producers)
+              producers=producers, alternate=alternate)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -317,16 +345,25 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   scratch.update(
-      sx=plgpu.SMEM((2, PAGE, n), jnp.float32),                                    # score swap
+      # score swap; alternate: warpgroup 1's row maxima and sums at a segment's end (broadcast over 64 rows)
+      sx=plgpu.SMEM((2, PAGE, n), jnp.float32),
       pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
       # converted stores and the rope's TMA
       loaded=plgpu.Barrier(num_arrivals=1 + producers if pd else 4 if fp8 else 3, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),                 # ring slot free again
-      xbar=plgpu.Barrier(num_arrivals=2),                                          # scores written
-      xread=plgpu.Barrier(num_arrivals=2),                                         # scores read
-      lsync=plgpu.Barrier(num_arrivals=2),                                         # see the final row sums
-      qbar=plgpu.Barrier(num_arrivals=1, num_barriers=3))                          # Q halves + rope landed
+      # ring slot free again (alternate: released by the one warpgroup that read it)
+      consumed=plgpu.Barrier(num_arrivals=1 if plan.alternate else 2, num_barriers=stages))
+  if plan.alternate:
+    scratch.update(
+        obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # warpgroup 1's O^T
+        handed=plgpu.Barrier(num_arrivals=1),                                      # warpgroup 1's state written
+        taken=plgpu.Barrier(num_arrivals=1))                                       # ... and read by warpgroup 0
+  else:
+    scratch.update(
+        xbar=plgpu.Barrier(num_arrivals=2),                                        # scores written
+        xread=plgpu.Barrier(num_arrivals=2),                                       # scores read
+        lsync=plgpu.Barrier(num_arrivals=2))                                       # see the final row sums
+  scratch.update(qbar=plgpu.Barrier(num_arrivals=1, num_barriers=3))               # Q halves + rope landed
   names = list(scratch)
 
   def body(*refs):
@@ -340,8 +377,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     qn_smem, qr_smem, ring_lat, ring_rope, sx, pbuf = (r[k] for k in
                                                        ("qn_smem", "qr_smem", "ring_lat", "ring_rope", "sx", "pbuf"))
     ring_sc, kbuf = r.get("ring_sc"), r.get("kbuf")
-    loaded, consumed, xbar, xread, lsync, qbar = (r[k] for k in
-                                                  ("loaded", "consumed", "xbar", "xread", "lsync", "qbar"))
+    loaded, consumed, qbar = r["loaded"], r["consumed"], r["qbar"]
+    xbar, xread, lsync = r.get("xbar"), r.get("xread"), r.get("lsync")
+    obuf, handed, taken = r.get("obuf"), r.get("handed"), r.get("taken")        # alternate
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
     grp = lax.axis_index("g")
@@ -438,17 +476,13 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
     # -------- warpgroup 2 (and 3 with two producers, each converting one latent half): the page producer --------
-    @pl.when(wg == 2)
-    def _producer():
+    def producer():
       if pd:
         return produce_converted_pages((0,) if producers == 2 else (0, 1))
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
                     half=HALF)
-
-    if producers == 2:
-      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
@@ -584,8 +618,134 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       def _():
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
-    for w in range(2):
-      pl.when(wg == w)(functools.partial(compute, w))
+    def compute_alternate(w: int):
+      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % 2 == w (ring slot w), each whole:
+      S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroup 1
+      hands (max, row sums, O^T) to warpgroup 0 through SMEM, which merges them with its own and writes the
+      partial. Mosaic's cross-warp reductions (each page's max, the row sums) share one SMEM scratch region; the
+      two warpgroups reduce different values at unrelated times here, so warpgroup 1 runs inside a scoped
+      allocation that moves its reductions to a region of their own."""
+      plgpu.set_max_registers(plan.registers[1], action="increase")
+      row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
+      col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
+      q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
+      chunks = range(HALF // CHUNK)
+      bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
+      on_gpu = not interpret
+
+      def seg(b, ctr):
+        lo, hi = seq_pages(b)
+        length = lens_ref[b]
+
+        @pl.when(hi > lo)
+        def _segment():
+          bg = b * g_count + grp
+          if w == 0:
+            # warpgroup 1 is past the previous segment's Q (its hand-over came after its last page)
+            plgpu.commit_smem()
+            for h in range(2):
+              plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(h * HALF, HALF)], qn_smem.at[h], qbar.at[h])
+            plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem, qbar.at[2])
+          for h in range(3):
+            plgpu.barrier_wait(qbar.at[h])
+          limit = (length - sq + 1 + q_index) if causal_rows else length
+
+          def page(i, carry):
+            acc, m_i, l_acc = carry
+            j = first + 2 * i
+            slot = lax.rem(ctr + (j - lo), stages)            # = w
+            plgpu.barrier_wait(loaded.at[slot])
+
+            def qk(acc_ref):
+              for h in range(2):
+                for cc in chunks:
+                  plgpu.wgmma(acc_ref, ring_lat.at[slot, h, :, pl.ds(cc * CHUNK, CHUNK)],
+                              qn_smem.at[h, :, pl.ds(cc * CHUNK, CHUNK)].T)
+              plgpu.wgmma(acc_ref, ring_rope.at[slot], qr_smem.T)
+              plgpu.wgmma_wait(0)
+              return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32)) * scale_log2
+            s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s - bcast(m_use, s.shape))
+            l_acc = l_acc * bcast(alpha, l_acc.shape) + p
+            pbuf.at[w, 0].T[...] = p.astype(dt)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+              for h in range(2):
+                for i2, cc in enumerate(chunks):
+                  plgpu.wgmma(acc_ref.at[pl.ds((h * len(chunks) + i2) * CHUNK, CHUNK)],
+                              ring_lat.at[slot, h, :, pl.ds(cc * CHUNK, CHUNK)].T, pbuf.at[w, 0].T)
+              plgpu.wgmma_wait(0)
+
+            if on_gpu:
+              # onto the rescaled O in place (a second [512, N] accumulator would not fit the registers)
+              acc = pl.run_state(pv)(plgpu.ACC.init(acc * bcast(alpha, acc.shape)))
+            else:
+              # interpret mode runs no preinitialized accumulator: a fresh one, added to the rescaled O
+              o_page = pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((LATENT_DIM, n), jnp.float32))
+              acc = acc * bcast(alpha, acc.shape) + o_page
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l_acc
+
+          first = lo + lax.rem(ctr + w, 2)                    # this warpgroup's first page of the segment
+          count = jnp.maximum(hi - first + 1, 0) // 2
+          acc0 = plgpu.layout_cast(jnp.zeros((LATENT_DIM, n), jnp.float32), plgpu.Layout.WGMMA)
+          m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+          l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
+          acc, m_i, l_acc = lax.fori_loop(0, count, page, (acc0, m0, l0))
+          l_i = l_acc.sum(axis=0)
+          if w == 1:
+            @pl.when(ctr > 0)
+            def _():
+              plgpu.barrier_wait(taken)                       # warpgroup 0 read the previous segment's state
+            sx[0] = bcast(m_i, (PAGE, n))
+            sx[1] = bcast(l_i, (PAGE, n))
+            obuf[...] = acc
+            plgpu.barrier_arrive(handed)
+            return
+          plgpu.barrier_wait(handed)
+          m_1 = plgpu.load(sx.at[0], (), layout=plgpu.Layout.WGMMA).max(axis=0)
+          l_1 = plgpu.load(sx.at[1], (), layout=plgpu.Layout.WGMMA).max(axis=0)
+          m = jnp.maximum(m_i, m_1)
+          m_use = jnp.where(m == -jnp.inf, 0.0, m)
+          a_0, a_1 = jnp.exp2(m_i - m_use), jnp.exp2(m_1 - m_use)
+          acc = (acc * bcast(a_0, acc.shape)
+                 + plgpu.load(obuf, (), layout=plgpu.Layout.WGMMA) * bcast(a_1, acc.shape))
+          plgpu.barrier_arrive(taken)
+          l = a_0 * l_i + a_1 * l_1
+          seen = l > 0
+          inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
+          o_ref[eg] = acc * bcast(inv, acc.shape)
+          lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+        return ctr + jnp.maximum(hi - lo, 0)
+
+      done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
+      if w == 1:
+        @pl.when(done > 0)
+        def _():
+          plgpu.barrier_wait(taken)                           # the last hand-over read: no phase left pending
+
+    if plan.alternate:
+      # warpgroup 1 first, inside a scoped SMEM allocation the size of the reduction scratch: its reductions then
+      # use the region after it, warpgroup 0's the region at the start. (A scoped SMEM allocation is made by every
+      # warpgroup, behind a CTA-wide barrier at its entry, so it must come before any warpgroup waits on another.)
+      pl.run_scoped(lambda _: pl.when(wg == 1)(functools.partial(compute_alternate, 1)),
+                    plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
+    pl.when(wg == 2)(producer)
+    if producers == 2:
+      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
+    if plan.alternate:
+      pl.when(wg == 0)(functools.partial(compute_alternate, 0))
+    else:
+      for w in range(2):
+        pl.when(wg == w)(functools.partial(compute, w))
 
   out_type = (jax.ShapeDtypeStruct((entries * g_count, LATENT_DIM, n), jnp.float32),
               jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
@@ -742,7 +902,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                crossover: bool | str | None = None, l2_prefetch: int | None = None,
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
-               tile_release: tuple[str, ...] | None = None,
+               tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -768,7 +928,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   producer fills slot 0's part B before slot 1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
   p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
   P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two
-  column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE).
+  column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute
+  warpgroups take alternate pages (Plan.alternate; None: ALTERNATE where it applies).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -781,9 +942,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   which = choose_kernel(sq * heads, fp8, kernel)
   if which == "seesaw":
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
-        or producer_dequant is not None or producers is not None):
+        or producer_dequant is not None or producers is not None or alternate is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
+                       "producers / alternate (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
+                       "kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
@@ -793,9 +955,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
       or b0_before_a1 is not None or p0_first is not None or tile_release is not None):
     raise ValueError("mosaic_sm90: registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and "
                      "tile_release apply to the seesaw kernel (kernel='seesaw')")
-  if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None):
+  if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
+                             or alternate is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
-                     "producers), to the swapped kernel (kernel='seesaw' or 'swapped')")
+                     "producers, alternate), to the swapped kernel (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -807,7 +970,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-                   producers=producers)
+                   producers=producers, alternate=alternate)
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -292,6 +292,8 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
     (5, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=1)),
     # two producers, each storing one latent half of every page into the ring, the first also its rope by TMA
     (6, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=2)),
+    # alternate pages: each compute warpgroup reads its own slot; warpgroup 1's state handed over in SMEM
+    (7, [330, 2, 65], dict(kernel="swapped", producer_dequant=True, producers=2, alternate=True)),
 ])
 def test_kernel_interpret_no_races(seed, lens, kw):
   """Race detector on: 2 shares of an fp8 cache, the ring wrapping."""
@@ -738,6 +740,36 @@ def test_swapped_fp8_producer_variants_interpret(heads, sq, lens, causal, parts,
   out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped", **kw)
   res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
   assert res["ok"], res
+
+
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,kw", [
+    # zero length, partial pages, one-page segments (one warpgroup without a page), odd page counts
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2)),
+    (8, 1, [330, 2, 65, 1], False, 2, dict(producers=1, l2_prefetch=8)),   # one producer; the ring wraps
+    (16, 2, [1, 130, 64], True, 2, dict(producers=2, rows_per_cta=16)),    # Sq 2 causal, two head groups
+])
+def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
+  """alternate: the compute warpgroups take alternate pages of the f16 ring, each whole, and merge at each
+  segment's end; against float64 on NaN-poisoned caches."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 11, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
+                        producer_dequant=True, alternate=True, **kw)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+
+
+def test_swapped_alternate_plan():
+  plan = ms.make_plan(16, True, alternate=True)
+  assert (plan.alternate, plan.num_stages, plan.producers) == (True, 2, 2)
+  assert plan.smem_bytes <= ms.SMEM_LIMIT and 2 * sum(plan.registers) <= 4 * 128
+  assert ms.make_plan(8, True, producer_dequant=True, alternate=True).num_stages == 2
+  assert not ms.make_plan(16, True).alternate                         # opt-in (ALTERNATE)
+  with pytest.raises(ValueError, match="alternate .* needs producer_dequant"):
+    ms.make_plan(16, True, producer_dequant=False, alternate=True)
+  with pytest.raises(ValueError, match="at most 16 rows a CTA"):
+    ms.make_plan(32, True, alternate=True)
+  with pytest.raises(ValueError, match="2-slot ring"):
+    ms.make_plan(8, True, producer_dequant=True, alternate=True, num_stages=1)
 
 
 def test_swapped_producer_dequant_rejects():

@@ -709,13 +709,13 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             plgpu.barrier_arrive(handed)
             return
           plgpu.barrier_wait(handed)
-          m_1 = plgpu.load(sx.at[0], (), layout=plgpu.Layout.WGMMA).max(axis=0)
-          l_1 = plgpu.load(sx.at[1], (), layout=plgpu.Layout.WGMMA).max(axis=0)
+          m_1 = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
+          l_1 = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
           m = jnp.maximum(m_i, m_1)
           m_use = jnp.where(m == -jnp.inf, 0.0, m)
           a_0, a_1 = jnp.exp2(m_i - m_use), jnp.exp2(m_1 - m_use)
           acc = (acc * bcast(a_0, acc.shape)
-                 + plgpu.load(obuf, (), layout=plgpu.Layout.WGMMA) * bcast(a_1, acc.shape))
+                 + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_1, acc.shape))
           plgpu.barrier_arrive(taken)
           l = a_0 * l_i + a_1 * l_1
           seen = l > 0

@@ -100,7 +100,7 @@ class Plan:
   @property
   def registers(self) -> tuple[int, int]:
     """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
-    return producer_dequant_registers(self.n, self.producers, self.alternate)
+    return producer_dequant_registers(self.n, self.producers)
 
 
 # registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
@@ -110,9 +110,7 @@ class Plan:
 # 436 / 484 for the swapped kernel without producer_dequant; h32 with the whole page ahead: 248-408 B at any split)
 # With two producers (4 warpgroups: 512 threads, 128 registers each on average) each loads only its half page (~40
 # registers) and the compute warpgroups at 16 rows hold O^T half [256, 16] f32 (32) and the [64, 16] scores and sums.
-def producer_dequant_registers(n: int, producers: int = 1, alternate: bool = False) -> tuple[int, int]:
-  if alternate and producers == 2:
-    return ALTERNATE_REGISTERS
+def producer_dequant_registers(n: int, producers: int = 1) -> tuple[int, int]:
   if producers == 2:
     return (96, 160)
   return (120, 192) if n <= 16 else (88, 208)
@@ -129,8 +127,6 @@ DEFAULT_L2_PREFETCH_PAGES = 2
 # Plan.alternate: opt-in until measured on a GPU
 ALTERNATE = False
 ALTERNATE_MAX_ROWS = 16
-# with two producers: each compute warpgroup holds a whole O^T [512, 16] f32 (64 registers) and its page's scores
-ALTERNATE_REGISTERS = (96, 160)
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
@@ -656,11 +652,15 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             slot = lax.rem(ctr + (j - lo), stages)            # = w
             plgpu.barrier_wait(loaded.at[slot])
 
+            # (Q's half index plus a run-time zero: its wgmma descriptors are built in the loop, not hoisted
+            # out of it into 72 registers that spill)
+            z = lax.shift_right_logical(j, 31)
+
             def qk(acc_ref):
               for h in range(2):
                 for cc in chunks:
                   plgpu.wgmma(acc_ref, ring_lat.at[slot, h, :, pl.ds(cc * CHUNK, CHUNK)],
-                              qn_smem.at[h, :, pl.ds(cc * CHUNK, CHUNK)].T)
+                              qn_smem.at[h + z, :, pl.ds(cc * CHUNK, CHUNK)].T)
               plgpu.wgmma(acc_ref, ring_rope.at[slot], qr_smem.T)
               plgpu.wgmma_wait(0)
               return acc_ref[...]

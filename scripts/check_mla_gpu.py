@@ -395,6 +395,13 @@ def timing_variants():
             (16, " b32 L16384", 32, 16384, False, {}), (8, "", 128, 4096, False, {}),
             (16, " l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
         for p in ((2, 1) if not label else (2,))),
+      # the converting producers load the next page before converting this one (with and without alternate)
+      *((f"fp8_e4m3 h16{label} lookahead{' alternate' if alt else ''}", "fp8_e4m3", 16, 1, batch, length, ragged,
+         "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, lookahead=True, alternate=alt, **kw))
+        for label, batch, length, ragged, kw in (
+            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}), (" b32 L16384", 32, 16384, False, {}),
+            (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+        for alt in (False, True)),
   ]
 
 

@@ -156,6 +156,22 @@ def test_swapped_alternate_vs_float64(producers, heads, sq, causal, lens, rows_p
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
+@pytest.mark.parametrize("alternate", [False, True])
+@pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
+    (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share
+    (16, 2, True, LENS, 16),                                     # Sq 2 at 16 rows a CTA: two head groups
+])
+def test_swapped_lookahead_vs_float64(alternate, heads, sq, causal, lens, rows_per_cta):
+  """The converting producers load the next page while converting this one (lookahead), two producers."""
+  from pallas_kernels.mla_decode import mosaic_sm90
+  q, cache, table, lens_a = random_problem(heads + sq + 17, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
+                              producer_dequant=True, producers=2, lookahead=True, alternate=alternate,
+                              rows_per_cta=rows_per_cta), c, t, n))(q, cache, table, lens_a)
+  assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
+
+
 @pytest.mark.parametrize("exchange,early_p0", [("stores", False), ("stores", True), ("st_async", False)])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, LENS),                                  # one cluster pair a share

@@ -731,6 +731,9 @@ def test_swapped_producer_dequant_interpret(heads, sq, lens, causal, parts, ahea
     (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2)),
     (8, 1, [330, 2, 65, 1], False, 2, dict(producers=2, l2_prefetch=8)),   # wraps; reads past every share's end
     (16, 2, [1, 130, 64], True, 2, dict(producers=2, l2_prefetch=2, rows_per_cta=16)),   # Sq 2 causal, 2 groups
+    # lookahead: each producer loads the next page's halves before converting this page's
+    (8, 1, [330, 2, 65, 1], False, 2, dict(producers=1, l2_prefetch=8, lookahead=True)),
+    (16, 2, [1, 130, 64], True, 2, dict(producers=2, l2_prefetch=1, rows_per_cta=16, lookahead=True)),
     # the path the default left at 32 rows a CTA: the compute warpgroups dequantize (two head groups, causal)
     (20, 2, [1, 130, 64], True, 3, dict(producer_dequant=False)),
 ])
@@ -746,6 +749,7 @@ def test_swapped_fp8_producer_variants_interpret(heads, sq, lens, causal, parts,
     # zero length, partial pages, one-page segments (one warpgroup without a page), odd page counts
     (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2)),
     (8, 1, [330, 2, 65, 1], False, 2, dict(producers=1, l2_prefetch=8)),   # one producer; the ring wraps
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2, lookahead=True)),  # lookahead too
     (16, 2, [1, 130, 64], True, 2, dict(producers=2, rows_per_cta=16)),    # Sq 2 causal, two head groups
 ])
 def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):

@@ -88,6 +88,9 @@ class Plan:
   # each sequence's segment. Two pages are in flight in the compute warpgroups and no per-page exchange links them.
   # Needs the 2-slot ring (slot = warpgroup).
   alternate: bool = False
+  # producer_dequant: each producer loads the next page's e4m3 halves (into registers) before converting this
+  # page's, so the GMEM / L2 latency of a page passes under the previous page's conversion instead of adding to it
+  lookahead: bool = False
 
   @property
   def smem_bytes(self) -> int:
@@ -100,6 +103,8 @@ class Plan:
   @property
   def registers(self) -> tuple[int, int]:
     """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
+    if self.lookahead and self.producers == 2:
+      return LOOKAHEAD_REGISTERS               # each producer holds two pages' halves (~80 registers)
     return producer_dequant_registers(self.n, self.producers)
 
 
@@ -127,6 +132,9 @@ DEFAULT_L2_PREFETCH_PAGES = 2
 # Plan.alternate: opt-in until measured on a GPU
 ALTERNATE = False
 ALTERNATE_MAX_ROWS = 16
+# Plan.lookahead: opt-in until measured on a GPU
+LOOKAHEAD = False
+LOOKAHEAD_REGISTERS = (112, 144)
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
@@ -175,7 +183,7 @@ MAX_ROWS_PER_CTA = 32
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
               rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
               l2_prefetch: int | None = None, producers: int | None = None,
-              alternate: bool | None = None) -> Plan:
+              alternate: bool | None = None, lookahead: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -212,6 +220,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: producers=2 splits producer_dequant's page conversion between two warpgroups; it "
                      f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
                      f"{producer_dequant} with {n} rows a CTA")
+  lookahead = bool(LOOKAHEAD and producer_dequant) if lookahead is None else bool(lookahead)
+  if lookahead and not producer_dequant:
+    raise ValueError("mosaic_sm90: lookahead is the converting producer's (producer_dequant, fp8 cache)")
   if alternate is None:
     alternate = ALTERNATE and producer_dequant and n <= ALTERNATE_MAX_ROWS
   alternate = bool(alternate)
@@ -233,7 +244,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      f"bytes of SMEM, over {SMEM_LIMIT}")
   return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-              producers=producers, alternate=alternate)
+              producers=producers, alternate=alternate, lookahead=lookahead)
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -413,6 +424,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       brought into L2 by TMA."""
       plgpu.set_max_registers(plan.registers[0], action="decrease")
       ahead = plan.l2_prefetch
+      lookahead = plan.lookahead
       whole_page_ahead = n <= 16              # see producer_dequant_registers
       rope_here = 0 in mine
 
@@ -434,13 +446,21 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           prefetch(pg, lo + j, hi)
 
         def page(j, carry):
-          c, queue = carry
+          c, queue, *held = carry
           slot = lax.rem(c, stages)
           pg = queue[0] if ahead else jnp.clip(bt_ref[b, j], 0, num_pages - 1)
           if ahead:
             new = page_id(b, j + ahead)
-          # latency under the wait: the whole page, or its first half (the second after the first is stored)
-          parts = {h: load_fp8_part(lat_ref, sc_ref, pg, h) for h in mine[:2 if whole_page_ahead else 1]}
+          if lookahead:
+            # this page's halves were loaded during the previous page's conversion; the next page's now (the
+            # page itself again past the segment's end: no table entry past the length is used)
+            parts = dict(zip(mine, held[0]))
+            nxt = queue[1] if ahead >= 2 else page_id(b, j + 1)
+            nxt = jnp.where(j + 1 < hi, nxt, pg)
+            held = [tuple(load_fp8_part(lat_ref, sc_ref, nxt, h) for h in mine)]
+          else:
+            # latency under the wait: the whole page, or its first half (the second after the first is stored)
+            parts = {h: load_fp8_part(lat_ref, sc_ref, pg, h) for h in mine[:2 if whole_page_ahead else 1]}
 
           @pl.when(c >= stages)
           def _():
@@ -461,9 +481,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             queue = queue[1:] + (new,)
           plgpu.commit_smem()                 # the f16 page visible to the compute warpgroups' wgmmas
           plgpu.barrier_arrive(loaded.at[slot])
-          return c + 1, queue
+          return (c + 1, queue, *held)
 
-        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, (ctr, queue))[0]
+        held = []
+        if lookahead:                         # the segment's first page (any valid page if it has none)
+          held = [tuple(load_fp8_part(lat_ref, sc_ref, page_id(b, lo), h) for h in mine)]
+        return lax.fori_loop(lo, jnp.maximum(lo, hi), page, (ctr, queue, *held))[0]
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
       for i in range(stages):                 # the last pages' releases, so no barrier phase is left pending
@@ -903,6 +926,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
+               lookahead: bool | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -929,7 +953,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
   P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two
   column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute
-  warpgroups take alternate pages (Plan.alternate; None: ALTERNATE where it applies).
+  warpgroups take alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting
+  producers load the next page before converting this one (Plan.lookahead; None: LOOKAHEAD).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -942,7 +967,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   which = choose_kernel(sq * heads, fp8, kernel)
   if which == "seesaw":
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
-        or producer_dequant is not None or producers is not None or alternate is not None):
+        or producer_dequant is not None or producers is not None or alternate is not None
+        or lookahead is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
                        "producers / alternate (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
                        "kernel's)")
@@ -956,7 +982,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and "
                      "tile_release apply to the seesaw kernel (kernel='seesaw')")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
-                             or alternate is not None):
+                             or alternate is not None or lookahead is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate), to the swapped kernel (kernel='seesaw' or 'swapped')")
   if which == "rows":
@@ -970,7 +996,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-                   producers=producers, alternate=alternate)
+                   producers=producers, alternate=alternate, lookahead=lookahead)
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -767,7 +767,10 @@ def test_swapped_alternate_plan():
   assert (plan.alternate, plan.num_stages, plan.producers) == (True, 2, 2)
   assert plan.smem_bytes <= ms.SMEM_LIMIT and 2 * sum(plan.registers) <= 4 * 128
   assert ms.make_plan(8, True, producer_dequant=True, alternate=True).num_stages == 2
-  assert not ms.make_plan(16, True).alternate                         # opt-in (ALTERNATE)
+  default = ms.make_plan(16, True)                                  # two producers: alternate and lookahead
+  assert (default.alternate, default.lookahead) == (ms.ALTERNATE, ms.LOOKAHEAD)
+  for one_producer in (ms.make_plan(32, True), ms.make_plan(16, True, producers=1), ms.make_plan(8, True)):
+    assert not (one_producer.alternate or one_producer.lookahead)
   with pytest.raises(ValueError, match="alternate .* needs producer_dequant"):
     ms.make_plan(16, True, producer_dequant=False, alternate=True)
   with pytest.raises(ValueError, match="at most 16 rows a CTA"):

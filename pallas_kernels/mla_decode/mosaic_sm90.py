@@ -129,11 +129,14 @@ MAX_L2_PREFETCH_PAGES = 8
 PRODUCER_DEQUANT_MIN_ROWS = 16
 TWO_PRODUCERS_ROWS = 16
 DEFAULT_L2_PREFETCH_PAGES = 2
-# Plan.alternate: opt-in until measured on a GPU
-ALTERNATE = False
+# make_plan's alternate and lookahead defaults: both on where the CTA has two producers (16 rows). One H100, jax
+# 0.11.2, fp8 h16 b128 L4096, CUPTI kernel µs: default 135.6 / 135.8 / 134.7 (three runs), alternate 135.1 / 134.5,
+# lookahead 138.1, both 131.5 / 131.3; with every page L2-resident (the on-chip bound) 127.7, 122.0, 129.9 and
+# 111.5 (NOTES.md: the producers' load latency bound it, which lookahead hides only where alternate keeps two
+# pages in flight)
+ALTERNATE = True
 ALTERNATE_MAX_ROWS = 16
-# Plan.lookahead: opt-in until measured on a GPU
-LOOKAHEAD = False
+LOOKAHEAD = True
 LOOKAHEAD_REGISTERS = (112, 144)
 
 
@@ -220,11 +223,14 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: producers=2 splits producer_dequant's page conversion between two warpgroups; it "
                      f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
                      f"{producer_dequant} with {n} rows a CTA")
-  lookahead = bool(LOOKAHEAD and producer_dequant) if lookahead is None else bool(lookahead)
+  if lookahead is None:
+    lookahead = LOOKAHEAD and producer_dequant and producers == 2
+  lookahead = bool(lookahead)
   if lookahead and not producer_dequant:
     raise ValueError("mosaic_sm90: lookahead is the converting producer's (producer_dequant, fp8 cache)")
   if alternate is None:
-    alternate = ALTERNATE and producer_dequant and n <= ALTERNATE_MAX_ROWS
+    alternate = (ALTERNATE and producer_dequant and producers == 2 and n <= ALTERNATE_MAX_ROWS
+                 and num_stages in (None, 2))
   alternate = bool(alternate)
   if alternate and not (producer_dequant and n <= ALTERNATE_MAX_ROWS):
     raise ValueError(f"mosaic_sm90: alternate (the compute warpgroups take alternate pages of the f16 ring) needs "

@@ -113,10 +113,12 @@ B0_BEFORE_A1 = {False: False, True: True}
 # make_plan's p0_first by cache (fp8?). One H100, 42d71d3, whole call µs, default -> p0_first: fp8 b128 h128 340.6 ->
 # 346.3, b64 174.3 -> 179.9, Sq 2 699.9 -> 666.9, ragged 383.5 -> 392.3; bf16 280.7 -> 290.8: off (Sq 2 alone gains)
 P0_FIRST = {False: False, True: False}
-# the parts tile_release can name, and make_plan's default for an fp8 cache without crossover (not yet measured on
-# a GPU)
+# the parts tile_release can name, and make_plan's default for an fp8 cache without crossover. One H100, jax 0.11.2,
+# e69250b / 5eb964b, L4096, CUPTI kernel µs, none -> ("b0",): b128 h128 329.8 -> 325.4 and 328.8 -> 325.7 (two runs),
+# b64 169.0 -> 166.9, Sq 2 676.7 -> 638.9, ragged [1, 2L] 363.4 -> 365.9 and 363.1 -> 362.0; ("a1", "b0") no better
+# than ("b0",) at b128 / b64 (325.9, 168.2)
 TILE_PARTS = ("b0", "a1")
-TILE_RELEASE = ()
+TILE_RELEASE = ("b0",)
 
 # registers a thread per warpgroup: (producer, each compute warpgroup). The launch gives 3 x 168, so the three must
 # sum to at most 504 (2 x 240 + 24 hung on an H200: NOTES.md). The fp8 producer converts a page part in registers

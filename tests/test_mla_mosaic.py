@@ -790,9 +790,11 @@ def test_swapped_producer_dequant_rejects():
   plan = ms.make_plan(16, True, producer_dequant=True, producers=1)
   assert plan.num_stages == 2 and plan.smem_bytes <= ms.SMEM_LIMIT     # two f16 pages, no fp8 slot
   assert (plan.producers, plan.num_warpgroups) == (1, 3)
-  two = ms.make_plan(16, True, producer_dequant=True, producers=2)
+  two = ms.make_plan(16, True, producer_dequant=True, producers=2, alternate=False, lookahead=False)
   assert (two.num_warpgroups, two.smem_bytes) == (4, plan.smem_bytes)   # one more warpgroup, the same SMEM
   assert 2 * sum(two.registers) <= 4 * 128          # the launch's 512 threads get 128 registers each
+  both = ms.make_plan(16, True, producer_dequant=True, producers=2)        # alternate + lookahead by default
+  assert both.alternate and both.lookahead and 2 * sum(both.registers) <= 4 * 128
   with pytest.raises(ValueError, match="needs producer_dequant"):
     ms.make_plan(16, True, producer_dequant=False, producers=2)
   with pytest.raises(ValueError, match="at most 16 rows a CTA"):

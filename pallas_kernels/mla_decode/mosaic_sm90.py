@@ -14,10 +14,12 @@ half (warpgroup 0 adds the 64 RoPE dims), they swap partial scores through SMEM,
 (log2 domain, masked by select), and each accumulates its half of O^T in registers. With an fp8 cache each compute
 warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-of-two tile scale: exact in f16)
 into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
-With `producer_dequant` (the default from 32 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
+With `producer_dequant` (the default from 16 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
-as they read bf16 ones; opt-in `producers=2` (up to 16 rows a CTA) adds a fourth warpgroup, and the two producers
-convert one latent half of each page each.
+as they read bf16 ones; `producers=2` (the default at 16 rows a CTA) adds a fourth warpgroup, and the two producers
+convert one latent half of each page each. There (fp8 h16) the compute warpgroups also take alternate pages, each
+whole, instead of both taking every page's halves (`alternate`), and the producers load each page one page ahead
+(`lookahead`).
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
@@ -194,7 +196,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
   producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
   DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
-  alternate (Plan.alternate; None: ALTERNATE) needs producer_dequant, at most 16 rows a CTA and 2 ring slots.
+  alternate and lookahead (None: on where the CTA has two producers, ALTERNATE / LOOKAHEAD) need producer_dequant;
+  alternate also at most 16 rows a CTA and 2 ring slots.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:

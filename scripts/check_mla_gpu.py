@@ -191,9 +191,9 @@ def fp8_seesaw_register_splits(label: str, splits, **kw):
           for p, c in splits]
 
 
-# (dtype, name label, Sq, batch, ragged) of h128 L4096 on which the seesaw kernel's orders of work are timed
 # the swapped kernel's two-producer configuration as measured before alternate and lookahead became its default
 BEFORE_ALTERNATE = dict(alternate=False, lookahead=False)
+# (dtype, name label, Sq, batch, ragged) of h128 L4096 on which the seesaw kernel's orders of work are timed
 ORDER_SHAPES = (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
                 ("fp8_e4m3", " sq2", 2, 128, False), ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
                 ("bfloat16", "", 1, 128, False))
@@ -340,10 +340,11 @@ def timing_variants():
          dict(kernel="seesaw", crossover=True, l2_prefetch=1)) for b, batch in (("", 128), (" b64", 64))),
       *((f"fp8_e4m3 h128 b64 seesaw parts {p}", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
          dict(kernel="seesaw", num_parts=p)) for p in (64, 132)),
-      # fp8 h16 with two producer warpgroups converting a page's latent halves side by side (4 warpgroups), as measured
-      # before alternate and lookahead (their default since be5c3ef) joined them
+      # fp8 h16 with two producer warpgroups converting a page's latent halves side by side (4 warpgroups), as
+      # measured before alternate and lookahead (their default since be5c3ef) joined them
       *((f"fp8_e4m3 h16 producers 2 l2 {a}", *base, False, "mosaic_sm90",
-         dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=a, **BEFORE_ALTERNATE)) for a in (0, 1, 2, 4)),
+         dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=a, **BEFORE_ALTERNATE))
+        for a in (0, 1, 2, 4)),
       ("fp8_e4m3 h16 producers 2 l2 2 ragged[1..2L]", *base, True, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=True, producers=2, l2_prefetch=2, **BEFORE_ALTERNATE)),
       ("fp8_e4m3 h16 b32 L16384 producers 2 l2 2", "fp8_e4m3", 16, 1, 32, 16384, False, "mosaic_sm90",
@@ -393,8 +394,8 @@ def timing_variants():
         for dt, h, n in (("fp8_e4m3", 16, 512), ("bfloat16", 16, 256), ("fp8_e4m3", 128, 512))),
       # the swapped kernel's compute warpgroups on alternate pages (two in flight, no per-page score swap)
       *((f"fp8_e4m3 h{h}{label} alternate{' producers 1' if p == 1 else ''}", "fp8_e4m3", h, 1, batch, length,
-         ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=p, alternate=True, lookahead=False,
-                                   **kw))
+         ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=p, alternate=True,
+                                   lookahead=False, **kw))
         for h, label, batch, length, ragged, kw in (
             (16, "", 128, 4096, False, {}), (16, " ragged[1..2L]", 128, 4096, True, {}),
             (16, " b32 L16384", 32, 16384, False, {}), (8, "", 128, 4096, False, {}),
@@ -404,8 +405,8 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} lookahead{' alternate' if alt else ''}", "fp8_e4m3", 16, 1, batch, length, ragged,
          "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, lookahead=True, alternate=alt, **kw))
         for label, batch, length, ragged, kw in (
-            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}), (" b32 L16384", 32, 16384, False, {}),
-            (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
+            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
         for alt in (False, True)),
   ]
 

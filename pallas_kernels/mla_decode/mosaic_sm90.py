@@ -105,9 +105,7 @@ class Plan:
   @property
   def registers(self) -> tuple[int, int]:
     """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
-    if self.lookahead and self.producers == 2:
-      return LOOKAHEAD_REGISTERS               # each producer holds two pages' halves (~80 registers)
-    return producer_dequant_registers(self.n, self.producers)
+    return producer_dequant_registers(self.n, self.producers, self.lookahead)
 
 
 # registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
@@ -117,7 +115,11 @@ class Plan:
 # 436 / 484 for the swapped kernel without producer_dequant; h32 with the whole page ahead: 248-408 B at any split)
 # With two producers (4 warpgroups: 512 threads, 128 registers each on average) each loads only its half page (~40
 # registers) and the compute warpgroups at 16 rows hold O^T half [256, 16] f32 (32) and the [64, 16] scores and sums.
-def producer_dequant_registers(n: int, producers: int = 1) -> tuple[int, int]:
+# With lookahead each of two producers holds two pages' halves (~80 registers): 112 / 144 (ptxas 72 / 120 B of
+# spills; 96 / 160: 224 / 284).
+def producer_dequant_registers(n: int, producers: int = 1, lookahead: bool = False) -> tuple[int, int]:
+  if producers == 2 and lookahead:
+    return (112, 144)
   if producers == 2:
     return (96, 160)
   return (120, 192) if n <= 16 else (88, 208)
@@ -139,7 +141,6 @@ DEFAULT_L2_PREFETCH_PAGES = 2
 ALTERNATE = True
 ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
-LOOKAHEAD_REGISTERS = (112, 144)
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,

@@ -408,6 +408,8 @@ def timing_variants():
             ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
             (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
         for alt in (False, True)),
+      # bf16 h128's on-chip bound (256 bf16 pages, 18.9 MB: L2-resident), beside the ones above
+      ("bfloat16 h128 l2 resident", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=256)),
   ]
 
 

@@ -410,6 +410,14 @@ def timing_variants():
         for alt in (False, True)),
       # bf16 h128's on-chip bound (256 bf16 pages, 18.9 MB: L2-resident), beside the ones above
       ("bfloat16 h128 l2 resident", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=256)),
+      # four converting producers, one column tile of each page each (the conversion a slot waits for in a quarter
+      # of the time of one producer), with and without lookahead
+      *((f"fp8_e4m3 h16{label} producers 4{'' if ahead else ' no lookahead'}", "fp8_e4m3", 16, 1, batch, length,
+         ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=4, lookahead=ahead, **kw))
+        for label, batch, length, ragged, kw in (
+            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
+            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+        for ahead in (True, False)),
   ]
 
 

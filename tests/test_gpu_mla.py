@@ -136,7 +136,7 @@ def test_swapped_two_producers_vs_float64(ahead, heads, sq, causal, lens, rows_p
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
-@pytest.mark.parametrize("producers", [1, 2])
+@pytest.mark.parametrize("producers", [1, 2, 4])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
     (16, 1, False, LENS, None),
@@ -144,7 +144,7 @@ def test_swapped_two_producers_vs_float64(ahead, heads, sq, causal, lens, rows_p
     (8, 1, False, LENS, None),
 ])
 def test_swapped_alternate_vs_float64(producers, heads, sq, causal, lens, rows_per_cta):
-  """The compute warpgroups take alternate pages (alternate), with one or two producers: each warpgroup's own
+  """The compute warpgroups take alternate pages (alternate), with one, two or four producers: each warpgroup's own
   reductions (its SMEM scratch region), the hand-over at each segment's end, odd and empty shares of a segment."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + producers + 5, lens=lens, sq=sq, heads=heads,

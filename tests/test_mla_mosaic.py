@@ -294,6 +294,8 @@ def test_kernel_interpret(dtype, heads, sq, lens, causal, parts):
     (6, [330, 2], dict(kernel="swapped", producer_dequant=True, producers=2)),
     # alternate pages: each compute warpgroup reads its own slot; warpgroup 1's state handed over in SMEM
     (7, [330, 2, 65], dict(kernel="swapped", producer_dequant=True, producers=2, alternate=True)),
+    # four producers, one column tile of every page each, storing into the slots warpgroups 0 / 1 read
+    (8, [330, 2, 65], dict(kernel="swapped", producer_dequant=True, producers=4)),
 ])
 def test_kernel_interpret_no_races(seed, lens, kw):
   """Race detector on: 2 shares of an fp8 cache, the ring wrapping."""
@@ -751,6 +753,11 @@ def test_swapped_fp8_producer_variants_interpret(heads, sq, lens, causal, parts,
     (8, 1, [330, 2, 65, 1], False, 2, dict(producers=1, l2_prefetch=8)),   # one producer; the ring wraps
     (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2, lookahead=True)),  # lookahead too
     (16, 2, [1, 130, 64], True, 2, dict(producers=2, rows_per_cta=16)),    # Sq 2 causal, two head groups
+    # four producers, one [64, 128] column tile each (the first also the rope and the scales' prefetch), with and
+    # without lookahead; the ring wraps, shares read past their ends
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=4)),
+    (8, 1, [330, 2, 65, 1], False, 2, dict(producers=4, lookahead=False, l2_prefetch=8)),
+    (16, 2, [1, 130, 64], True, 2, dict(producers=4, rows_per_cta=16)),
 ])
 def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
   """alternate: the compute warpgroups take alternate pages of the f16 ring, each whole, and merge at each
@@ -760,6 +767,21 @@ def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
                         producer_dequant=True, alternate=True, **kw)
   res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
   assert res["ok"], res
+
+
+def test_swapped_four_producers_plan():
+  """producers=4: six warpgroups whose registers fill the SM's 64 Ki exactly; alternate and lookahead on by
+  default, as with two; not above 16 rows a CTA, not without producer_dequant, and only 1, 2 or 4."""
+  plan = ms.make_plan(16, True, producers=4)
+  assert (plan.producers, plan.num_warpgroups, plan.alternate, plan.lookahead) == (4, 6, ms.ALTERNATE, ms.LOOKAHEAD)
+  assert 2 * plan.registers[1] + 4 * plan.registers[0] == 512 and plan.registers[0] % 8 == 0
+  assert plan.smem_bytes == ms.make_plan(16, True, producers=2).smem_bytes <= ms.SMEM_LIMIT
+  with pytest.raises(ValueError, match="at most 16 rows a CTA"):
+    ms.make_plan(32, True, producers=4)
+  with pytest.raises(ValueError, match="needs producer_dequant"):
+    ms.make_plan(16, True, producer_dequant=False, producers=4)
+  with pytest.raises(ValueError, match="producers must be 1, 2 or 4"):
+    ms.make_plan(16, True, producers=3)
 
 
 def test_swapped_alternate_plan():
@@ -800,7 +822,7 @@ def test_swapped_producer_dequant_rejects():
   with pytest.raises(ValueError, match="at most 16 rows a CTA"):
     ms.make_plan(32, True, producers=2)                                  # producer_dequant by default there
   for bad in (0, 3, True):
-    with pytest.raises(ValueError, match="producers must be 1 or 2"):
+    with pytest.raises(ValueError, match="producers must be 1, 2 or 4"):
       ms.make_plan(16, True, producer_dequant=True, producers=bad)
   q = jnp.zeros((1, 1, 128, 576), jnp.bfloat16)
   cache = MLAKVCache.allocate(2, dtype="fp8_e4m3")
@@ -811,12 +833,13 @@ def test_swapped_producer_dequant_rejects():
 
 
 @pytest.mark.parametrize("fp8,heads,pd,producers", [(True, 16, False, 1), (False, 16, False, 1), (True, 20, False, 1),
-                                                    (True, 16, True, 1), (True, 32, True, 1), (True, 16, True, 2)])
+                                                    (True, 16, True, 1), (True, 32, True, 1), (True, 16, True, 2),
+                                                    (True, 16, True, 4)])
 def test_swapped_kernel_lowers_for_sm90(fp8, heads, pd, producers):
   """The swapped kernel's GPU code path lowers for sm90 with the operands the wrapper passes: Q's latent part (f16
   for an fp8 cache, else q itself) and, for its rope columns, q's rope part alone (fp8) or q itself (bf16); pd:
   with producer_dequant (and an L2 prefetch of 4 pages), which has the TMA unit's L2 prefetch in it; producers 2:
-  4 warpgroups."""
+  4 warpgroups, 4: 6."""
   plan = ms.make_plan(heads, fp8, num_parts=8, producer_dequant=pd, l2_prefetch=4 if pd else None,
                       producers=producers)
   assert plan.num_warpgroups == 2 + producers

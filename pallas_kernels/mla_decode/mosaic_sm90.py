@@ -17,7 +17,8 @@ into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is n
 With `producer_dequant` (the default from 16 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
 as they read bf16 ones; `producers=2` (the default at 16 rows a CTA) adds a fourth warpgroup, and the two producers
-convert one latent half of each page each. There (fp8 h16) the compute warpgroups also take alternate pages, each
+convert one latent half of each page each (`producers=4`, opt-in: six warpgroups, one column tile each). There
+(fp8 h16) the compute warpgroups also take alternate pages, each
 whole, instead of both taking every page's halves (`alternate`), and the producers load each page one page ahead
 (`lookahead`).
 
@@ -82,7 +83,8 @@ class Plan:
   producer_dequant: bool = False
   l2_prefetch: int = 0
   # producer_dequant with 2: two producer warpgroups, each converting one latent half of every page (the first one
-  # also issues the rope's TMA), so a page's conversion takes half the time; up to 16 rows a CTA (registers)
+  # also issues the rope's TMA), so a page's conversion takes half the time; with 4, one [64, 128] column tile
+  # each (a quarter); up to 16 rows a CTA (registers)
   producers: int = 1
   # producer_dequant, up to 16 rows a CTA: the two compute warpgroups take alternate pages of the f16 ring (each the
   # whole 576-wide QK and 512-wide P.V of its pages, with its own online softmax) instead of both taking every
@@ -118,6 +120,10 @@ class Plan:
 # With lookahead each of two producers holds two pages' halves (~80 registers): 112 / 144 (ptxas 72 / 120 B of
 # spills; 96 / 160: 224 / 284).
 def producer_dequant_registers(n: int, producers: int = 1, lookahead: bool = False) -> tuple[int, int]:
+  if producers == 4:
+    # six warpgroups: 2 x 144 + 4 x 56 = 512 registers a thread-slot, all of the SM's 64 Ki; a producer holds one
+    # column tile (16 registers a page: two with lookahead) and its rows' scales
+    return (56, 144)
   if producers == 2 and lookahead:
     return (112, 144)
   if producers == 2:
@@ -221,19 +227,20 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      "already streams pages ahead)")
   if producers is None:
     producers = 2 if producer_dequant and n == TWO_PRODUCERS_ROWS else 1
-  if producers not in (1, 2) or isinstance(producers, bool):
-    raise ValueError(f"mosaic_sm90: producers must be 1 or 2, got {producers!r}")
-  if producers == 2 and not (producer_dequant and n <= 16):
-    raise ValueError(f"mosaic_sm90: producers=2 splits producer_dequant's page conversion between two warpgroups; it "
+  if producers not in (1, 2, 4) or isinstance(producers, bool):
+    raise ValueError(f"mosaic_sm90: producers must be 1, 2 or 4, got {producers!r}")
+  if producers > 1 and not (producer_dequant and n <= 16):
+    raise ValueError(f"mosaic_sm90: producers={producers} splits producer_dequant's page conversion between "
+                     f"{producers} warpgroups; it "
                      f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
                      f"{producer_dequant} with {n} rows a CTA")
   if lookahead is None:
-    lookahead = LOOKAHEAD and producer_dequant and producers == 2
+    lookahead = LOOKAHEAD and producer_dequant and producers >= 2
   lookahead = bool(lookahead)
   if lookahead and not producer_dequant:
     raise ValueError("mosaic_sm90: lookahead is the converting producer's (producer_dequant, fp8 cache)")
   if alternate is None:
-    alternate = (ALTERNATE and producer_dequant and producers == 2 and n <= ALTERNATE_MAX_ROWS
+    alternate = (ALTERNATE and producer_dequant and producers >= 2 and n <= ALTERNATE_MAX_ROWS
                  and num_stages in (None, 2))
   alternate = bool(alternate)
   if alternate and not (producer_dequant and n <= ALTERNATE_MAX_ROWS):
@@ -426,17 +433,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pl.when(n_valid >= PAGE)(lambda: convert(False))
       pl.when(n_valid < PAGE)(lambda: convert(True))
 
-    def produce_converted_pages(mine: tuple[int, ...]):
+    def produce_converted_pages(mine: tuple[int, ...], tiles: tuple[int, ...] | None = None):
       """producer_dequant: every page of the share, in order, into f16 ring slot c % stages: the e4m3 latent
       halves `mine` from GMEM (the first, or both, loaded before the slot's wait), converted and stored by this
       warpgroup; the rope by TMA (from the producer that owns half 0); with l2_prefetch, the pages that far ahead
       are read from the table (a queue in the loop carry, so no load waits on the table) and their halves `mine`
-      brought into L2 by TMA."""
+      brought into L2 by TMA. tiles: only these [64, 128] column tiles of the half `mine` (four producers, one
+      tile each); None: the halves whole."""
       plgpu.set_max_registers(plan.registers[0], action="decrease")
       ahead = plan.l2_prefetch
       lookahead = plan.lookahead
       whole_page_ahead = n <= 16              # see producer_dequant_registers
-      rope_here = 0 in mine
+      rope_here = 0 in mine and (tiles is None or 0 in tiles)
+      load = lambda pg, h: load_fp8_part(lat_ref, sc_ref, pg, h, col_tiles=tiles)
 
       page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
@@ -444,7 +453,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         @pl.when(j < hi)
         def _():
           for h in mine:
-            plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
+            if tiles is None:
+              plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
+            else:
+              for t in tiles:
+                plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(t * FP8_TILE, FP8_TILE)])
           if rope_here:
             plgpu.async_prefetch(sc_ref.at[pg])
 
@@ -467,10 +480,10 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             parts = dict(zip(mine, held[0]))
             nxt = queue[1] if ahead >= 2 else page_id(b, j + 1)
             nxt = jnp.where(j + 1 < hi, nxt, pg)
-            held = [tuple(load_fp8_part(lat_ref, sc_ref, nxt, h) for h in mine)]
+            held = [tuple(load(nxt, h) for h in mine)]
           else:
             # latency under the wait: the whole page, or its first half (the second after the first is stored)
-            parts = {h: load_fp8_part(lat_ref, sc_ref, pg, h) for h in mine[:2 if whole_page_ahead else 1]}
+            parts = {h: load(pg, h) for h in mine[:2 if whole_page_ahead else 1]}
 
           @pl.when(c >= stages)
           def _():
@@ -484,8 +497,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             def store(x, t, th, h=h):
               ring_lat[slot_z, h, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
             if h not in parts:
-              parts[h] = load_fp8_part(lat_ref, sc_ref, pg, h)
-            convert_fp8_part(parts[h], h, length - j * PAGE, store)
+              parts[h] = load(pg, h)
+            convert_fp8_part(parts[h], h, length - j * PAGE, store, col_tiles=tiles)
           if ahead:
             prefetch(new, j + ahead, hi)
             queue = queue[1:] + (new,)
@@ -495,7 +508,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
         held = []
         if lookahead:                         # the segment's first page (any valid page if it has none)
-          held = [tuple(load_fp8_part(lat_ref, sc_ref, page_id(b, lo), h) for h in mine)]
+          held = [tuple(load(page_id(b, lo), h) for h in mine)]
         return lax.fori_loop(lo, jnp.maximum(lo, hi), page, (ctr, queue, *held))[0]
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
@@ -504,10 +517,15 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         def _():
           plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
-    # -------- warpgroup 2 (and 3 with two producers, each converting one latent half): the page producer --------
+    # -------- warpgroup 2 (and 3 with two producers, each converting one latent half, or 3-5 with four, one column
+    # tile each): the page producer --------
+    def converted_share(k: int):
+      """(latent halves, column tiles or None) producer k converts."""
+      return {1: ((0, 1), None), 2: ((k,), None), 4: ((k // 2,), (k,))}[producers]
+
     def producer():
       if pd:
-        return produce_converted_pages((0,) if producers == 2 else (0, 1))
+        return produce_converted_pages(*converted_share(0))
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
@@ -772,8 +790,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pl.run_scoped(lambda _: pl.when(wg == 1)(functools.partial(compute_alternate, 1)),
                     plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
     pl.when(wg == 2)(producer)
-    if producers == 2:
-      pl.when(wg == 3)(functools.partial(produce_converted_pages, (1,)))
+    for k in range(1, producers):
+      pl.when(wg == 2 + k)(functools.partial(produce_converted_pages, *converted_share(k)))
     if plan.alternate:
       pl.when(wg == 0)(functools.partial(compute_alternate, 0))
     else:
@@ -955,8 +973,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
-  None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups
-  (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel
+  None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups,
+  4 between four, one column tile each (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel
   writes the output of each sequence one share holds whole itself, and the merge runs only for the others
   (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's
   producer fills slot 0's part B before slot 1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).

@@ -174,15 +174,16 @@ def check_l2_prefetch(value, limit: int, unit: str) -> int:
   return value
 
 
-def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1)):
+def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1), col_tiles=None):
   """For a producer that converts pages itself: the e4m3 tiles of latent half `half` (columns [256 half, 256 half
   + 256)) of pool page pg straight from GMEM, {(t, k): [32 tok, 128] column tile t of token half token_halves[k]}
   (8 bytes a thread each), and their scales {k: [32, 4]}. Issued before the caller waits for the slot, so that
-  their latency passes under the wait."""
+  their latency passes under the wait. col_tiles: only these column tiles of the half (None: both)."""
   tok, tile = CONVERT_TOKENS, FP8_TILE
+  col_tiles = (2 * half, 2 * half + 1) if col_tiles is None else col_tiles
   tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)], layout=dequant_layout(),
                               optimized=False)
-           for t in (2 * half, 2 * half + 1) for k, th in enumerate(token_halves)}
+           for t in col_tiles for k, th in enumerate(token_halves)}
   scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * tok, tok)], layout=scale_layout(), optimized=False)
             for k, th in enumerate(token_halves)}
   return tiles, scales

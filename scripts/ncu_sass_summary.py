@@ -34,12 +34,23 @@ def number(v: str) -> float:
     return 0.0
 
 
+def opcode(source: str) -> str:
+  """'@!P1 SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR16+0x38408], R0' -> 'SYNCS' (the guard skipped)."""
+  words = [w for w in source.split() if not w.startswith("@")]
+  return words[0].split(".")[0] if words else "?"
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("report")
   ap.add_argument("--top", type=int, default=40)
   args = ap.parse_args()
   fields, rows = load_rows(args.report)
+  summarize(fields, rows, args.top)
+
+
+def summarize(fields: list[str], rows: list[dict], top: int) -> None:
+  """Prints the summary of a report's source page (fields and rows as load_rows returns them)."""
   samples = next((f for f in fields if f.startswith("Warp Stall Sampling (All")), None)
   if samples is None:
     sys.exit(f"no warp stall sampling column; columns: {fields}")
@@ -48,18 +59,34 @@ def main():
   print("columns:", ", ".join(fields))
   by_op = collections.Counter()
   for r in rows:
-    by_op[r["Source"].split()[0].split(".")[0] if r["Source"].split() else "?"] += number(r[samples])
+    by_op[opcode(r["Source"])] += number(r[samples])
   print("\nsamples by opcode (share of all):")
   for op, n in by_op.most_common(25):
     print(f"  {op:<14} {100 * n / total:5.1f}%")
   reasons = [f for f in fields if f.startswith("stall_") or "Stall Reason" in f]
-  print(f"\ntop {args.top} instructions by samples (index, share, SASS, previous opcode):")
-  order = sorted(range(len(rows)), key=lambda i: -number(rows[i][samples]))[:args.top]
+  print(f"\ntop {top} instructions by samples (index, share, SASS, previous opcode):")
+  order = sorted(range(len(rows)), key=lambda i: -number(rows[i][samples]))[:top]
   for i in sorted(order):
     r = rows[i]
-    prev = rows[i - 1]["Source"].split()[0] if i else ""
+    prev = opcode(rows[i - 1]["Source"]) if i else ""
     extra = " ".join(f"{f}={r[f]}" for f in reasons if number(r[f]) > 0)
     print(f"  {i:6d} {100 * number(r[samples]) / total:5.2f}%  {r['Source'][:70]:<70} after {prev:<10} {extra}")
+  # a wait's barrier is the operand of the try-wait before its branch: the previous instruction, whole
+  waits = [i for i in sorted(order) if i and "PHASECHK" in rows[i - 1]["Source"]]
+  if waits:
+    print("\nbarrier waits among them (index: the try-wait before it):")
+    for i in waits:
+      print(f"  {i:6d}: {rows[i - 1]['Source'].strip()}")
+  # shared-memory instructions: wavefronts against the ideal (bank conflicts), where the report has the columns
+  have = [f for f in ("L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal", "L1 Wavefronts Shared Excessive")
+          if f in fields]
+  shared = [i for i, r in enumerate(rows) if opcode(r["Source"]) in ("STS", "LDS", "STSM", "LDSM")]
+  if len(have) == 3 and shared:
+    print("\nshared-memory instructions (index, SASS, wavefronts / ideal / excessive):")
+    for i in shared:
+      r = rows[i]
+      if number(r[have[0]]):
+        print(f"  {i:6d}  {r['Source'][:60]:<60} {r[have[0]]} / {r[have[1]]} / {r[have[2]]}")
 
 
 if __name__ == "__main__":

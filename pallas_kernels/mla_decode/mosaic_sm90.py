@@ -18,9 +18,8 @@ With `producer_dequant` (the default from 16 rows per CTA) the producer warpgrou
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
 as they read bf16 ones; `producers=2` (the default at 16 rows a CTA) adds a fourth warpgroup, and the two producers
 convert one latent half of each page each (`producers=4`, opt-in: six warpgroups, one column tile each). There
-(fp8 h16) the compute warpgroups also take alternate pages, each
-whole, instead of both taking every page's halves (`alternate`), and the producers load each page one page ahead
-(`lookahead`).
+(fp8 h16) the compute warpgroups also take alternate pages, each whole, instead of both taking every page's halves
+(`alternate`), and the producers load each page one page ahead (`lookahead`).
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)

@@ -230,9 +230,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: producers must be 1, 2 or 4, got {producers!r}")
   if producers > 1 and not (producer_dequant and n <= 16):
     raise ValueError(f"mosaic_sm90: producers={producers} splits producer_dequant's page conversion between "
-                     f"{producers} warpgroups; it "
-                     f"needs producer_dequant (fp8) and at most 16 rows a CTA (registers), got producer_dequant="
-                     f"{producer_dequant} with {n} rows a CTA")
+                     f"{producers} warpgroups; it needs producer_dequant (fp8) and at most 16 rows a CTA "
+                     f"(registers), got producer_dequant={producer_dequant} with {n} rows a CTA")
   if lookahead is None:
     lookahead = LOOKAHEAD and producer_dequant and producers >= 2
   lookahead = bool(lookahead)
@@ -973,9 +972,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
   None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups,
-  4 between four, one column tile each (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel
-  writes the output of each sequence one share holds whole itself, and the merge runs only for the others
-  (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's
+  4 between four, one column tile each (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else
+  1). direct_write: the seesaw kernel writes the output of each sequence one share holds whole itself, and the
+  merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's
   producer fills slot 0's part B before slot 1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
   p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
   P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two

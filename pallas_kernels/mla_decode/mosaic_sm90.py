@@ -974,8 +974,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups,
   4 between four, one column tile each (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else
   1). direct_write: the seesaw kernel writes the output of each sequence one share holds whole itself, and the
-  merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's
-  producer fills slot 0's part B before slot 1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
+  merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE).
+  b0_before_a1: the seesaw kernel's producer fills slot 0's part B before slot 1's part A
+  (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
   p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
   P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two
   column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute

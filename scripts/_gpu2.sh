@@ -1,0 +1,16 @@
+#!/bin/bash
+# one-off device call (deleted after): on an H200, the MLA targets' shapes, the V3 slice and the W4A16 MoE (issue
+# 13's missing H200 numbers); on an H100, four producers at ragged and b32 L16384 beside the defaults
+export PYTHONPATH=. NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+C=$1
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
+case "$GPU" in *H200*) TAG=h200;; *) TAG=h100;; esac
+if [ $TAG = h200 ]; then
+  timeout 170 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_targets_check_${TAG}_$C.json \
+    --only "bfloat16 h128,fp8_e4m3 h128,fp8_e4m3 h128 b64,fp8_e4m3 h128 sq2,fp8_e4m3 h128 ragged[1..2L],fp8_e4m3 h16,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,bfloat16 h128 l2 resident" 2>&1 | tail -13
+  timeout 130 python scripts/bench_generate.py --v3-slice --commit $C --out $OUT/generate_v3_slice_${TAG}_$C.json 2>&1 | tail -8
+  timeout 170 python scripts/bench_w4a16.py --backends mosaic_sm90 --quick --commit $C --out $OUT/w4a16_quick_${TAG}_$C.json 2>&1 | tail -22
+else
+  timeout 170 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_producers4_shapes_${TAG}_$C.json \
+    --only "fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 ragged[1..2L] producers 4,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 b32 L16384 producers 4" 2>&1 | tail -8
+fi

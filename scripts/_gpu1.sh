@@ -16,4 +16,6 @@ for v in "fp8_e4m3 h16 producers 4:fp8_h16_p4" "fp8_e4m3 h16:fp8_h16"; do
     -o /tmp/$tag python scripts/ncu_mla.py --variant "$name" > /tmp/$tag.log 2>&1; tail -2 /tmp/$tag.log
   python scripts/ncu_sass_summary.py /tmp/$tag.ncu-rep --top 40 > $OUT/ncu_${tag}_sass_${TAG}_$C.txt 2>&1
   head -40 $OUT/ncu_${tag}_sass_${TAG}_$C.txt
+  ncu -i /tmp/$tag.ncu-rep --page details --print-details all > $OUT/ncu_${tag}_details_${TAG}_$C.txt 2>&1
+  grep -iE "shared|pipe|Duration|Throughput|Registers" $OUT/ncu_${tag}_details_${TAG}_$C.txt | head -30
 done

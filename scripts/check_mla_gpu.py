@@ -418,6 +418,11 @@ def timing_variants():
             ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
             (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
         for ahead in (True, False)),
+      # the same with the other split that fits six warpgroups' 480 registers a thread-slot (default: 48 / 144)
+      *((f"fp8_e4m3 h16{label} producers 4 registers 56/128", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="swapped", producer_dequant=True, producers=4,
+              registers=dict(producer_registers=56, compute_registers=128), **kw))
+        for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
   ]
 
 

@@ -435,6 +435,44 @@ def test_plan_defaults():
     ms.make_plan(32, True, producer_dequant=False, l2_prefetch=2)
 
 
+def test_register_splits_fit_the_launch():
+  """setmaxnreg only moves registers between a CTA's warpgroups: a split over what the CTA launched with waits
+  forever in its first increase (four producers' 4 x 56 + 2 x 144 = 512 hung on an H100: six warpgroups launch with
+  80 registers a thread, 480 a thread-slot). Every split the plans pick fits, and an over-budget one is refused."""
+  from pallas_kernels.sm90_registers import check_register_split, launch_registers
+  assert [launch_registers(w) for w in (1, 3, 4, 6)] == [248, 168, 128, 80]   # ptxas: "Used 80 registers" at 6
+  for rows in (1, 8, 9, 16, 20, 32, 40, 64):
+    for producers, lookahead in ((None, None), (1, False), (1, True), (2, False), (2, True), (4, False), (4, True)):
+      if producers and producers > 1 and rows > 16:
+        continue
+      plan = ms.make_plan(rows, True, producer_dequant=True, producers=producers, lookahead=lookahead)
+      p, c = plan.registers
+      assert plan.producers * p + 2 * c <= plan.num_warpgroups * launch_registers(plan.num_warpgroups), (rows, plan)
+  assert ms.make_plan(16, True, producers=4).registers == (48, 144)
+  with pytest.raises(ValueError, match="wait forever"):
+    ms.make_plan(16, True, producers=4, producer_registers=56)                # the split that hung
+  with pytest.raises(ValueError, match="multiples of 8"):
+    ms.make_plan(16, True, producers=2, compute_registers=150)
+  with pytest.raises(ValueError, match="producer_dequant"):
+    ms.make_plan(16, True, producer_dequant=False, compute_registers=128)
+  assert ms.make_plan(16, True, producers=4, producer_registers=56, compute_registers=128).registers == (56, 128)
+  seesaw = ms.mosaic_sm90_seesaw
+  for fp8 in (False, True):
+    plan = seesaw.make_plan(128, num_sms=132, fp8=fp8)
+    check_register_split([plan.producer_registers] + [plan.compute_registers] * 2, "seesaw default")
+  with pytest.raises(ValueError, match="wait forever"):
+    seesaw.make_plan(128, num_sms=132, fp8=True, producer_registers=56, compute_registers=232)
+  check_register_split([40, 232, 232], "the rows kernel and the swapped kernel without producer_dequant")
+  # mla_decode hands the split to the swapped kernel's plan, and refuses it for a kernel that has none
+  q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=16, dtype="fp8_e4m3")
+  with pytest.raises(ValueError, match="wait forever"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=0.1, causal=False, interpret=True, kernel="swapped",
+                  producer_dequant=True, producers=4, registers=dict(producer_registers=56))
+  with pytest.raises(ValueError, match="registers"):
+    ms.mla_decode(q, cache, table, lens, softmax_scale=0.1, causal=False, interpret=True, kernel="rows",
+                  registers=dict(compute_registers=200))
+
+
 def test_kernel_choice():
   assert ms.choose_kernel(128, False) == "seesaw" and ms.choose_kernel(64, False) == "seesaw"
   assert ms.choose_kernel(256, False) == "seesaw"                      # h128 Sq2
@@ -770,11 +808,11 @@ def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
 
 
 def test_swapped_four_producers_plan():
-  """producers=4: six warpgroups whose registers fill the SM's 64 Ki exactly; alternate and lookahead on by
+  """producers=4: six warpgroups whose registers fill the 480 a thread-slot they launch with (6 x 80); alternate and lookahead on by
   default, as with two; not above 16 rows a CTA, not without producer_dequant, and only 1, 2 or 4."""
   plan = ms.make_plan(16, True, producers=4)
   assert (plan.producers, plan.num_warpgroups, plan.alternate, plan.lookahead) == (4, 6, ms.ALTERNATE, ms.LOOKAHEAD)
-  assert 2 * plan.registers[1] + 4 * plan.registers[0] == 512 and plan.registers[0] % 8 == 0
+  assert 2 * plan.registers[1] + 4 * plan.registers[0] == 480 and plan.registers[0] % 8 == 0
   assert plan.smem_bytes == ms.make_plan(16, True, producers=2).smem_bytes <= ms.SMEM_LIMIT
   with pytest.raises(ValueError, match="at most 16 rows a CTA"):
     ms.make_plan(32, True, producers=4)
@@ -1057,9 +1095,9 @@ def test_seesaw_kernel_rejects_what_it_cannot_run():
     call(kernel="seesaw", num_stages=1)
   with pytest.raises(ValueError, match="seesaw kernel does not take"):
     call(kernel="seesaw", prefetch_tiles=2)
-  with pytest.raises(ValueError, match=r"producer \+ 2 x compute <= 504"):
+  with pytest.raises(ValueError, match="over the 504 that 3 warpgroups launch with"):
     call(kernel="seesaw", registers=dict(producer_registers=80, compute_registers=216))
-  with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
+  with pytest.raises(ValueError, match="to the swapped kernel with producer_dequant, got .* for the rows kernel"):
     call(kernel="rows", registers=dict(producer_registers=72))
   with pytest.raises(ValueError, match="p0_first and tile_release apply to the seesaw"):
     call(kernel="swapped", early_p0=True)

@@ -96,6 +96,15 @@ def test_unknown_config_key_is_refused():
       ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=cfg, interpret=True)
 
 
+def test_register_split_over_the_launch_is_refused():
+  """The producer's and two consumers' registers must fit the 3 x 168 a thread-slot the CTA launches with: a larger
+  split would wait forever in the consumers' setmaxnreg increase (pallas_kernels.sm90_registers)."""
+  w = to_device(layout.pack(*rand_awq(np.random.default_rng(0), 256, 128, 64), 64, xp=np))
+  for cfg, match in ((dict(consumer_registers=240), "wait forever"), (dict(producer_registers=44), "multiples of 8")):
+    with pytest.raises(ValueError, match=match):
+      ms.matmul(jnp.zeros((1, 256), jnp.bfloat16), w, config=cfg, interpret=True)
+
+
 @pytest.mark.parametrize("persistent,extra", [(False, {}), (True, {}),
                                               (True, dict(gather_kernel=True, convert_in_producer=True, fold="fma"))])
 def test_moe_lowers_for_sm90(persistent, extra):

@@ -49,6 +49,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
+from pallas_kernels.sm90_registers import check_register_split
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
@@ -94,6 +95,9 @@ class Plan:
   # producer_dequant: each producer loads the next page's e4m3 halves (into registers) before converting this
   # page's, so the GMEM / L2 latency of a page passes under the previous page's conversion instead of adding to it
   lookahead: bool = False
+  # producer_dequant: (each producer, each compute warpgroup) registers a thread instead of
+  # producer_dequant_registers' (tuning; make_plan checks the split against the launch's registers)
+  register_split: tuple[int, int] | None = None
 
   @property
   def smem_bytes(self) -> int:
@@ -106,7 +110,7 @@ class Plan:
   @property
   def registers(self) -> tuple[int, int]:
     """(each producer, each compute warpgroup) registers a thread, with producer_dequant."""
-    return producer_dequant_registers(self.n, self.producers, self.lookahead)
+    return self.register_split or producer_dequant_registers(self.n, self.producers, self.lookahead)
 
 
 # registers a thread (producer, each compute warpgroup) with producer_dequant, by rows per CTA. Up to 16 rows the
@@ -120,9 +124,10 @@ class Plan:
 # spills; 96 / 160: 224 / 284).
 def producer_dequant_registers(n: int, producers: int = 1, lookahead: bool = False) -> tuple[int, int]:
   if producers == 4:
-    # six warpgroups: 2 x 144 + 4 x 56 = 512 registers a thread-slot, all of the SM's 64 Ki; a producer holds one
-    # column tile (16 registers a page: two with lookahead) and its rows' scales
-    return (56, 144)
+    # six warpgroups launch with 80 registers a thread (sm90_registers), 480 a thread-slot: 4 x 48 + 2 x 144. A
+    # producer holds one column tile (16 registers a page: two with lookahead) and its rows' scales. 4 x 56 + 2 x 144
+    # (512) hung on an H100: the compute warpgroups' increase waited forever for registers the CTA never had.
+    return (48, 144)
   if producers == 2 and lookahead:
     return (112, 144)
   if producers == 2:
@@ -194,7 +199,8 @@ MAX_ROWS_PER_CTA = 32
 def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages: int | None = None,
               rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
               l2_prefetch: int | None = None, producers: int | None = None,
-              alternate: bool | None = None, lookahead: bool | None = None) -> Plan:
+              alternate: bool | None = None, lookahead: bool | None = None,
+              producer_registers: int | None = None, compute_registers: int | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -203,7 +209,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
   DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
   alternate and lookahead (None: on where the CTA has two producers, ALTERNATE / LOOKAHEAD) need producer_dequant;
-  alternate also at most 16 rows a CTA and 2 ring slots.
+  alternate also at most 16 rows a CTA and 2 ring slots. producer_registers / compute_registers (producer_dequant;
+  None: producer_dequant_registers') set the register split, checked against what the CTA launches with.
   """
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
@@ -257,9 +264,21 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
                      f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate)} "
                      f"bytes of SMEM, over {SMEM_LIMIT}")
-  return Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
+  register_split = None
+  if producer_registers is not None or compute_registers is not None:
+    if not producer_dequant:
+      raise ValueError("mosaic_sm90: producer_registers / compute_registers split the registers of the swapped "
+                       "kernel's converting producers (producer_dequant, fp8 cache); without it the split is fixed")
+    derived = producer_dequant_registers(n, producers, lookahead)
+    register_split = (int(producer_registers or derived[0]), int(compute_registers or derived[1]))
+  plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-              producers=producers, alternate=alternate, lookahead=lookahead)
+              producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split)
+  if producer_dequant:
+    producer, compute = plan.registers
+    check_register_split([producer] * producers + [compute] * 2,
+                         f"mosaic_sm90 swapped kernel ({producers} converting producers, 2 compute warpgroups)")
+  return plan
 
 
 # ---- split-KV schedule and merge in plain XLA: the references of split_kv's kernels (tests) --------------
@@ -964,7 +983,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   cache). prefetch_tiles: the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant
   tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
   (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
-  "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS). early_p0: the seesaw kernel's warpgroup 0 hands P0
+  "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS), or the swapped kernel's with producer_dequant
+  (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0
   to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache,
   off for fp8). crossover: the seesaw kernel with an fp8 cache runs two row groups' CTAs as a cluster whose producers
   each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
@@ -1004,10 +1024,15 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
                             direct_write=direct_write, b0_before_a1=b0_before_a1, p0_first=p0_first,
                             tile_release=tile_release, q_rope=q_rope, **(registers or {}))
-  if (registers is not None or early_p0 is not None or crossover is not None or direct_write is not None
+  if (early_p0 is not None or crossover is not None or direct_write is not None
       or b0_before_a1 is not None or p0_first is not None or tile_release is not None):
-    raise ValueError("mosaic_sm90: registers, early_p0, crossover, direct_write, b0_before_a1, p0_first and "
-                     "tile_release apply to the seesaw kernel (kernel='seesaw')")
+    raise ValueError("mosaic_sm90: early_p0, crossover, direct_write, b0_before_a1, p0_first and tile_release "
+                     "apply to the seesaw kernel (kernel='seesaw')")
+  if registers is not None and (which != "swapped"
+                                or not set(registers) <= {"producer_registers", "compute_registers"}):
+    raise ValueError(f"mosaic_sm90: registers ({{'producer_registers': n, 'compute_registers': n}}) applies to the "
+                     f"seesaw kernel and to the swapped kernel with producer_dequant, got {registers!r} for the "
+                     f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
@@ -1023,7 +1048,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-                   producers=producers, alternate=alternate, lookahead=lookahead)
+                   producers=producers, alternate=alternate, lookahead=lookahead, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -67,6 +67,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels.sm90_registers import check_register_split
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, cluster_fence, convert_fp8_part, load_fp8_part,
                                                     page_ahead, q_rope_of, share_of_part, split_vectors,
@@ -208,9 +209,7 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   producer, compute = REGISTERS[bool(fp8)]
   producer = int(producer_registers or producer)
   compute = int(compute_registers or compute)
-  if producer % 8 or compute % 8 or producer < 24 or compute > 256 or producer + 2 * compute > 504:
-    raise ValueError(f"mosaic_sm90 seesaw kernel: registers (producer {producer}, compute {compute}) must be "
-                     f"multiples of 8 in [24, 256] with producer + 2 x compute <= 504 (the launch's 3 x 168)")
+  check_register_split([producer, compute, compute], "mosaic_sm90 seesaw kernel (producer, 2 compute warpgroups)")
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)

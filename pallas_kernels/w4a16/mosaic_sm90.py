@@ -57,6 +57,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import gpu_interpret
+from pallas_kernels.sm90_registers import check_register_split
 from pallas_kernels.w4a16 import gather_sm90, layout, routing
 
 SUB_N = 64                  # weight columns per consumer warpgroup (wgmma M)
@@ -913,6 +914,8 @@ def grouped_matmul(x: jax.Array, w: layout.W4A16Weight, block_expert: jax.Array,
   unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
   if unknown:
     raise ValueError(f"w4a16 mosaic_sm90: unknown config keys {unknown}; known: {sorted(DEFAULT_CONFIG)}.")
+  check_register_split([cfg["producer_registers"]] + [cfg["consumer_registers"]] * NUM_CONSUMERS,
+                       "w4a16 mosaic_sm90 (producer, consumers)")
   if interpret:
     gpu_interpret.check_cpu_threads(NUM_WARPGROUPS)      # else interpret mode can deadlock (gpu_interpret.py)
   if w.group_size not in layout.KERNEL_GROUP_SIZES:

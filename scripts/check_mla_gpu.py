@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -442,7 +443,27 @@ def l2_resident_table(table, lens, pool: int):
   return jnp.asarray(out)
 
 
-def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
+def hang_watchdog(seconds: float, on_hang):
+  """Starts a daemon timer that calls on_hang() and ends the process (exit status 3) unless cancelled within
+  `seconds`. A kernel that deadlocks on the GPU (e.g. a setmaxnreg increase the CTA's registers cannot cover) blocks
+  this process for good; without the watchdog an outer timeout kills it with nothing recorded, so the variant that
+  hung and the ones after it look alike. Returns the timer (cancel() it when the variant is done)."""
+  def fire():
+    try:
+      on_hang()
+    finally:
+      sys.stdout.flush()
+      os._exit(3)
+  timer = threading.Timer(seconds, fire)
+  timer.daemon = True
+  timer.start()
+  return timer
+
+
+def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None, variant_timeout: float = 0):
+  """Times each variant (all, or the comma list `only`). variant_timeout > 0: a variant without a result after that
+  many seconds is recorded as hung (its error row, the JSON rewritten) and the process ends with status 3, so put
+  variants that may hang last."""
   rows = []
   copy = copy_bandwidth()
   print(f"[time] copy ceiling {copy['tb_per_s']:.3f} TB/s ({copy['method']})", flush=True)
@@ -466,12 +487,20 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None):
                                                                      causal=False, **kw))
     else:
       fn = jax.jit(lambda q, c, t, l: reference.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=False))
+    def hung(name=name):
+      rows.append(dict(variant=name, error=f"hung: no result after {variant_timeout:.0f} s (a deadlocked kernel?)"))
+      print(f"[time] {name}: HUNG, no result after {variant_timeout:.0f} s; stopping here", flush=True)
+      dump(copy, rows)
+    watchdog = hang_watchdog(variant_timeout, hung) if variant_timeout > 0 else None
     try:
       t = time_call(fn, q, cache, table, lens_a, iters=iters)
     except Exception as e:  # noqa: BLE001 - record and go on to the next variant
       print(f"[time] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       rows.append(dict(variant=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
       continue
+    finally:
+      if watchdog is not None:
+        watchdog.cancel()
     tokens = int(np.sum(lens))
     nbytes = tokens * (656 if dtype == "fp8_e4m3" else 1152)
     flops = 2 * tokens * sq * heads * (576 + 512)
@@ -513,6 +542,9 @@ def main():
   ap.add_argument("--timing", action="store_true")
   ap.add_argument("--only", default=None, help="time only these variants (comma list of exact names)")
   ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--variant-timeout", type=float, default=150,
+                  help="seconds a timing variant may take (compile included) before it is recorded as hung and the "
+                       "run ends with status 3 (0: no limit)")
   ap.add_argument("--case-grep", default=None, help="run only the correctness cases whose name contains this")
   ap.add_argument("--interpret", action="store_true", help="CPU GPU-interpret mode (use --cases tiny)")
   ap.add_argument("--kernel", default="auto", choices=list(mosaic_sm90.KERNELS),
@@ -539,7 +571,8 @@ def main():
   checks = (run_correctness(args.cases, args.interpret, args.kernel, args.case_grep) if args.cases != "none"
             else [])
   dump(checks, None, [])
-  copy, timings = (run_timing(args.iters, args.only, lambda c, r: dump(checks, c, r)) if args.timing
+  copy, timings = (run_timing(args.iters, args.only, lambda c, r: dump(checks, c, r), args.variant_timeout)
+                   if args.timing
                    else (None, []))
   dump(checks, copy, timings)
   print(f"\n{'case (kernel)':44s} {'ok':>5s} {'out_err':>9s} {'cos_diff':>9s} {'lse_err':>9s} {'first_s':>7s}")

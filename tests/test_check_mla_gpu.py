@@ -36,3 +36,19 @@ def test_l2_resident_table_refuses_partial_pages_and_a_pool_larger_than_the_batc
     check_mla_gpu.l2_resident_table(table, lens, 1)
   with pytest.raises(ValueError, match="at least that many"):
     check_mla_gpu.l2_resident_table(table, [128, 128], 5)
+
+
+def test_hang_watchdog_records_and_ends_the_process_and_cancel_stops_it():
+  """A variant that never returns (a deadlocked kernel) is recorded and the process ends with status 3; a variant
+  that returns in time cancels its watchdog and the process goes on."""
+  import subprocess
+  body = ("import sys, time; sys.path.insert(0, {scripts!r}); import check_mla_gpu as c\n"
+          "t = c.hang_watchdog({secs}, lambda: print('recorded hang', flush=True))\n"
+          "{cancel}time.sleep(3); print('went on', flush=True)\n")
+  scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+  for cancel, want_rc, want_out in (("", 3, "recorded hang"), ("t.cancel(); ", 0, "went on")):
+    code = body.format(scripts=scripts, secs=0.5, cancel=cancel)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == want_rc, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines() == [want_out]

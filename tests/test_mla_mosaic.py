@@ -808,8 +808,9 @@ def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
 
 
 def test_swapped_four_producers_plan():
-  """producers=4: six warpgroups whose registers fill the 480 a thread-slot they launch with (6 x 80); alternate and lookahead on by
-  default, as with two; not above 16 rows a CTA, not without producer_dequant, and only 1, 2 or 4."""
+  """producers=4: six warpgroups whose registers fill the 480 a thread-slot they launch with (6 x 80); alternate
+  and lookahead on by default, as with two; not above 16 rows a CTA, not without producer_dequant, and only 1, 2
+  or 4."""
   plan = ms.make_plan(16, True, producers=4)
   assert (plan.producers, plan.num_warpgroups, plan.alternate, plan.lookahead) == (4, 6, ms.ALTERNATE, ms.LOOKAHEAD)
   assert 2 * plan.registers[1] + 4 * plan.registers[0] == 480 and plan.registers[0] % 8 == 0

@@ -49,7 +49,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
-from pallas_kernels.sm90_registers import check_register_split
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
@@ -57,6 +56,7 @@ from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16,
                                                     produce_pages, q_rope_of, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
+from pallas_kernels.sm90_registers import check_register_split
 
 PAGE = 64                     # tokens per page: the kernel is built around 64-token pages (FlashMLA's)
 HALF = LATENT_DIM // 2        # latent dims owned by each compute warpgroup
@@ -984,10 +984,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
   (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS), or the swapped kernel's with producer_dequant
-  (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0
-  to warpgroup 1 while its own P0 V0_L is in flight (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache,
-  off for fp8). crossover: the seesaw kernel with an fp8 cache runs two row groups' CTAs as a cluster whose producers
-  each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
+  (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0 to warpgroup 1 while its own P0 V0_L is in flight
+  (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). crossover: the seesaw kernel with an
+  fp8 cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
   off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;

@@ -67,11 +67,11 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels.sm90_registers import check_register_split
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
 from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, cluster_fence, convert_fp8_part, load_fp8_part,
                                                     page_ahead, q_rope_of, share_of_part, split_vectors,
                                                     start_q_latent, store_to_peer, SWZ16)
+from pallas_kernels.sm90_registers import check_register_split
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)

@@ -986,8 +986,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS), or the swapped kernel's with producer_dequant
   (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0 to warpgroup 1 while its own P0 V0_L is in flight
   (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). crossover: the seesaw kernel with an
-  fp8 cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None:
-  off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
+  fp8 cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True
+  or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None: off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
   None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
   kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
   None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups,

@@ -977,30 +977,30 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
   num_parts / num_stages / rows_per_cta / split_p override the plan (tests and tuning); None (the production path,
-  what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths
-  and shapes (None: computed here). kernel: "auto" | "swapped" | "rows" | "seesaw" (choose_kernel; the rows and
-  seesaw kernels take num_parts and num_stages, not rows_per_cta or split_p: their P is bf16, f16 with an fp8
-  cache). prefetch_tiles: the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant
-  tiles while the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel
-  (None: its default, mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
+  what api.py calls) lets make_plan pick them. schedule: make_schedule's (cu, sched, payload) for these lengths and
+  shapes (None: computed here). kernel: "auto" | "swapped" | "rows" | "seesaw" (choose_kernel; the rows and seesaw
+  kernels take num_parts and num_stages, not rows_per_cta or split_p: their P is bf16, f16 with an fp8 cache).
+  prefetch_tiles: the rows kernel with an fp8 cache and one slot converts that many of a page's 4 dequant tiles while
+  the previous page's P.V runs; rebase_per_page: loop-variant operand addresses in the rows kernel (None: its default,
+  mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS), or the swapped kernel's with producer_dequant
   (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0 to warpgroup 1 while its own P0 V0_L is in flight
-  (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). crossover: the seesaw kernel with an
-  fp8 cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True
-  or "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None: off). l2_prefetch: page pairs ahead the seesaw kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan;
-  None: its default), or pages ahead for the swapped kernel with producer_dequant. producer_dequant: the swapped
-  kernel with an fp8 cache has its producer warpgroup convert each page into an f16 ring (Plan.producer_dequant;
-  None: on from 16 rows per CTA, make_plan). producers: 2 splits that conversion between two producer warpgroups,
-  4 between four, one column tile each (Plan.producers; None: 2 at 16 rows per CTA with producer_dequant, else
-  1). direct_write: the seesaw kernel writes the output of each sequence one share holds whole itself, and the
-  merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write; None: mosaic_sm90_seesaw.DIRECT_WRITE).
-  b0_before_a1: the seesaw kernel's producer fills slot 0's part B before slot 1's part A
-  (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1).
-  p0_first: the seesaw kernel's warpgroup 1 runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None:
-  P0_FIRST). tile_release: page parts ("b0", "a1") the seesaw kernel's fp8 producer releases to their QK in two
-  column tiles (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute
-  warpgroups take alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting
-  producers load the next page before converting this one (Plan.lookahead; None: LOOKAHEAD).
+  (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). crossover: the seesaw kernel with an fp8
+  cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True or
+  "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None: off). l2_prefetch: page pairs ahead the seesaw
+  kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan; None: its default), or pages ahead for the swapped
+  kernel with producer_dequant. producer_dequant: the swapped kernel with an fp8 cache has its producer warpgroup
+  convert each page into an f16 ring (Plan.producer_dequant; None: on from 16 rows per CTA, make_plan). producers: 2
+  splits that conversion between two producer warpgroups, 4 between four, one column tile each (Plan.producers; None:
+  2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel writes the output of each
+  sequence one share holds whole itself, and the merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write;
+  None: mosaic_sm90_seesaw.DIRECT_WRITE). b0_before_a1: the seesaw kernel's producer fills slot 0's part B before slot
+  1's part A (mosaic_sm90_seesaw.Plan.b0_before_a1; None: B0_BEFORE_A1). p0_first: the seesaw kernel's warpgroup 1
+  runs P0 V0_R before P1 V1_R (mosaic_sm90_seesaw.Plan.p0_first; None: P0_FIRST). tile_release: page parts ("b0",
+  "a1") the seesaw kernel's fp8 producer releases to their QK in two column tiles
+  (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute warpgroups take
+  alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting producers load the
+  next page before converting this one (Plan.lookahead; None: LOOKAHEAD).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")

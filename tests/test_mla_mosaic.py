@@ -462,7 +462,9 @@ def test_register_splits_fit_the_launch():
     check_register_split([plan.producer_registers] + [plan.compute_registers] * 2, "seesaw default")
   with pytest.raises(ValueError, match="wait forever"):
     seesaw.make_plan(128, num_sms=132, fp8=True, producer_registers=56, compute_registers=232)
-  check_register_split([40, 232, 232], "the rows kernel and the swapped kernel without producer_dequant")
+  from pallas_kernels.mla_decode.sm90_shared import COMPUTE_REGISTERS, TMA_PRODUCER_REGISTERS
+  check_register_split([TMA_PRODUCER_REGISTERS] + [COMPUTE_REGISTERS] * 2,
+                       "the rows kernel and the swapped kernel without producer_dequant")
   # mla_decode hands the split to the swapped kernel's plan, and refuses it for a kernel that has none
   q, cache, table, lens = random_problem(3, lens=[70], sq=1, heads=16, dtype="fp8_e4m3")
   with pytest.raises(ValueError, match="wait forever"):

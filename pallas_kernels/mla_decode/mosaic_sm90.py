@@ -51,9 +51,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
-from pallas_kernels.mla_decode.sm90_shared import (CONVERT_TOKENS as TOK, SWZ16, check_l2_prefetch,
-                                                    convert_fp8_part, dequant_layout, load_fp8_part, page_ahead,
-                                                    produce_pages, q_rope_of, scale_layout, share_of_part)
+from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
+                                                    check_l2_prefetch, convert_fp8_part, dequant_layout,
+                                                    load_fp8_part, page_ahead, produce_pages, q_rope_of,
+                                                    scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 from pallas_kernels.sm90_registers import check_register_split
@@ -550,7 +551,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
-      plgpu.set_max_registers(plan.registers[1] if pd else 232, action="increase")
+      plgpu.set_max_registers(plan.registers[1] if pd else COMPUTE_REGISTERS, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)

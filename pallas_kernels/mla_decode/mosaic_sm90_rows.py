@@ -65,8 +65,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (dequant_layout, produce_pages, q_rope_of, scale_layout,
-                                                    scaled_f16, share_of_part, start_q_latent, SWZ16)
+from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, dequant_layout, produce_pages, q_rope_of,
+                                                    scale_layout, scaled_f16, share_of_part, start_q_latent, SWZ16)
 
 PAGE = 64                     # tokens per page
 ROWS = 64                     # query rows per CTA (wgmma M)
@@ -233,7 +233,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
     # -------- warpgroups 0, 1: scores of tokens [32 w, 32 w + 32), softmax, P.V for columns [256 w, +256) ----
     def compute(w: int):
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 0, layout=plgpu.Layout.WGMMA)
       tok_iota = plgpu.broadcasted_iota(jnp.int32, (ROWS, TOK), 1, layout=plgpu.Layout.WGMMA) + w * TOK
       q_index = lax.div(grp * ROWS + row_iota, jnp.int32(heads))   # query token s of each row (r = s*H + h)

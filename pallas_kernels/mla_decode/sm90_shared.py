@@ -26,6 +26,12 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from pallas_kernels.mla_decode.cache import ROPE_DIM
 
 from pallas_kernels.mla_decode.cache import FP8_TILE
+from pallas_kernels.sm90_registers import check_register_split
+
+# registers a thread of the TMA producer (produce_pages) and of each of the two compute warpgroups beside it, in the
+# swapped kernel without producer_dequant and in the rows kernel: three warpgroups' 504 exactly
+TMA_PRODUCER_REGISTERS, COMPUTE_REGISTERS = 40, 232
+check_register_split([TMA_PRODUCER_REGISTERS, COMPUTE_REGISTERS, COMPUTE_REGISTERS], "mla_decode sm90 defaults")
 
 
 def share_of_part(sched_ref, cu_ref, part):
@@ -47,7 +53,7 @@ def produce_pages(*, b_first, b_last, seq_pages, bt_ref, lat_ref, rope_ref, sc_r
   two column halves, rope, and the fp8 scales when sc_ref is given), after the compute warpgroups released that slot
   (`consumed`); each slot's copies arrive on `loaded[slot]`. Table entries are clipped to the pool, so a bad entry
   cannot fault (the api NaNs that row)."""
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(TMA_PRODUCER_REGISTERS, action="decrease")
 
   def seg(b, ctr):
     lo, hi = seq_pages(b)

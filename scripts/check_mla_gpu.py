@@ -424,6 +424,13 @@ def timing_variants():
          dict(kernel="swapped", producer_dequant=True, producers=4,
               registers=dict(producer_registers=56, compute_registers=128), **kw))
         for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
+      # no f16 page: the compute warpgroups convert each e4m3 page into their wgmma A registers (alternate pages,
+      # one TMA producer)
+      *((f"fp8_e4m3 h16{label} register dequant", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, **kw))
+        for label, batch, length, ragged, kw in (
+            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
+            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))),
   ]
 
 

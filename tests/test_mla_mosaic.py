@@ -1141,3 +1141,35 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
   ref_out, ref_lse, ref_abs = f64_reference_abs(q, cache, table, lens, False)
   res = compare(*whole, ref_out, ref_lse, ref_abs=None if dtype == "fp8_e4m3" else ref_abs)
   assert res["ok"], res
+
+
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,kw", [
+    # zero length, partial pages (NaN past the length reaches the P.V operand), one-page segments, odd counts
+    (16, 1, [129, 0, 64, 3, 200], False, 3, {}),
+    (8, 1, [330, 2, 65, 1], False, 2, {}),                                 # the ring wraps
+    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16)),                 # Sq 2 causal, two head groups
+])
+def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
+  """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
+  (Q's dims and O's rows permuted to match); against float64 on NaN-poisoned caches."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 13, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
+                        register_dequant=True, **kw)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+
+
+def test_swapped_register_dequant_plan():
+  plan = ms.make_plan(16, True, register_dequant=True)
+  assert (plan.register_dequant, plan.alternate, plan.producer_dequant, plan.producers, plan.num_stages,
+          plan.num_warpgroups) == (True, True, False, 1, 2, 3)
+  # no f16 page (kbuf: [2, 64, 256] f16): the e4m3 ring and its scales only
+  assert plan.smem_bytes == ms._smem_bytes(16, 2, True, alternate=True) - ms.PAGE * 512 * 2 <= ms.SMEM_LIMIT
+  for bad in (dict(producer_dequant=True), dict(producers=2), dict(lookahead=True), dict(alternate=False),
+              dict(num_stages=3)):
+    with pytest.raises(ValueError, match="register_dequant"):
+      ms.make_plan(16, True, register_dequant=True, **bad)
+  with pytest.raises(ValueError, match="needs an fp8_e4m3 cache"):
+    ms.make_plan(16, False, register_dequant=True)
+  with pytest.raises(ValueError, match="pass rows_per_cta=16"):
+    ms.make_plan(32, True, register_dequant=True)

@@ -49,7 +49,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_interpret
-from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw
+from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw, sm90_fp8_operands as fp8_ops
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
                                                     check_l2_prefetch, convert_fp8_part, dequant_layout,
@@ -99,10 +99,15 @@ class Plan:
   # producer_dequant: (each producer, each compute warpgroup) registers a thread instead of
   # producer_dequant_registers' (tuning; make_plan checks the split against the launch's registers)
   register_split: tuple[int, int] | None = None
+  # fp8, alternate, one TMA producer (opt-in): no f16 page at all; each compute warpgroup reads its page's e4m3
+  # bytes from the TMA'd ring and converts them into the A registers of both products (sm90_fp8_operands.py),
+  # with Q's latent dims and O's rows permuted to match
+  register_dequant: bool = False
 
   @property
   def smem_bytes(self) -> int:
-    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate)
+    return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate,
+                       self.register_dequant)
 
   @property
   def num_warpgroups(self) -> int:
@@ -155,10 +160,12 @@ LOOKAHEAD = True
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
-                alternate: bool = False) -> int:
+                alternate: bool = False, register_dequant: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8 and not producer_dequant:
-    ring = stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4) + PAGE * LATENT_DIM * 2
+    # the e4m3 ring; the f16 page the compute warpgroups convert into (none with register_dequant)
+    ring = (stages * (PAGE * LATENT_DIM + PAGE * ROPE_DIM * 2 + PAGE * 4 * 4)
+            + (0 if register_dequant else PAGE * LATENT_DIM * 2))
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
   exchange = 2 * PAGE * n * 4                     # score swap; alternate: warpgroup 1's max and sums
@@ -201,7 +208,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               rows_per_cta: int | None = None, split_p: bool | None = None, producer_dequant: bool | None = None,
               l2_prefetch: int | None = None, producers: int | None = None,
               alternate: bool | None = None, lookahead: bool | None = None,
-              producer_registers: int | None = None, compute_registers: int | None = None) -> Plan:
+              producer_registers: int | None = None, compute_registers: int | None = None,
+              register_dequant: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -212,7 +220,23 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   alternate and lookahead (None: on where the CTA has two producers, ALTERNATE / LOOKAHEAD) need producer_dequant;
   alternate also at most 16 rows a CTA and 2 ring slots. producer_registers / compute_registers (producer_dequant;
   None: producer_dequant_registers') set the register split, checked against what the CTA launches with.
+  register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
+  it excludes producer_dequant and its options.
   """
+  register_dequant = bool(register_dequant)
+  if register_dequant:
+    if not fp8:
+      raise ValueError("mosaic_sm90: register_dequant converts an fp8 cache's pages in the compute warpgroups; "
+                       "it needs an fp8_e4m3 cache")
+    if producer_dequant or producers not in (None, 1) or lookahead or l2_prefetch or producer_registers \
+        or compute_registers or alternate is False:
+      raise ValueError("mosaic_sm90: register_dequant has one TMA producer and no f16 page: producer_dequant, "
+                       "producers, lookahead, l2_prefetch and the producers' register split do not apply, and it "
+                       "always takes alternate pages")
+    if num_stages not in (None, 2):
+      raise ValueError(f"mosaic_sm90: register_dequant gives each compute warpgroup one slot of a 2-slot ring; "
+                       f"got num_stages={num_stages}")
+    producer_dequant, l2_prefetch, producers, lookahead = False, 0, 1, False
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
@@ -246,10 +270,13 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if lookahead and not producer_dequant:
     raise ValueError("mosaic_sm90: lookahead is the converting producer's (producer_dequant, fp8 cache)")
   if alternate is None:
-    alternate = (ALTERNATE and producer_dequant and producers >= 2 and n <= ALTERNATE_MAX_ROWS
-                 and num_stages in (None, 2))
+    alternate = register_dequant or (ALTERNATE and producer_dequant and producers >= 2 and n <= ALTERNATE_MAX_ROWS
+                                     and num_stages in (None, 2))
   alternate = bool(alternate)
-  if alternate and not (producer_dequant and n <= ALTERNATE_MAX_ROWS):
+  if register_dequant and n > ALTERNATE_MAX_ROWS:
+    raise ValueError(f"mosaic_sm90: register_dequant takes alternate pages, at most {ALTERNATE_MAX_ROWS} rows a CTA "
+                     f"(a whole [512, N] f32 accumulator a warpgroup), got {n}; pass rows_per_cta=16")
+  if alternate and not ((producer_dequant or register_dequant) and n <= ALTERNATE_MAX_ROWS):
     raise ValueError(f"mosaic_sm90: alternate (the compute warpgroups take alternate pages of the f16 ring) needs "
                      f"producer_dequant (fp8) and at most {ALTERNATE_MAX_ROWS} rows a CTA (a whole [512, N] f32 "
                      f"accumulator a warpgroup), got producer_dequant={producer_dequant} with {n} rows a CTA")
@@ -258,12 +285,14 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      f"num_stages={num_stages}")
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
-  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate) <= SMEM_LIMIT
+  fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate,
+                                    register_dequant) <= SMEM_LIMIT
   if num_stages is None:
     num_stages = 2 if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
-                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate)} "
+                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate,
+                                         register_dequant)} "
                      f"bytes of SMEM, over {SMEM_LIMIT}")
   register_split = None
   if producer_registers is not None or compute_registers is not None:
@@ -274,7 +303,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     register_split = (int(producer_registers or derived[0]), int(compute_registers or derived[1]))
   plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-              producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split)
+              producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
+              register_dequant=register_dequant)
   if producer_dequant:
     producer, compute = plan.registers
     check_register_split([producer] * producers + [compute] * 2,
@@ -365,6 +395,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
                 num_pages: int, interpret: bool):
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
+  rd = plan.register_dequant                      # the compute warpgroups convert into registers: no kbuf
   producers = plan.producers
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
@@ -380,8 +411,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), jnp.float8_e4m3fn, transforms=_SWZ8),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16),
         ring_sc=plgpu.SMEM((stages, PAGE, 4), jnp.float32))
-    # the f16 page: each compute warpgroup dequantizes its half
-    scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
+    if not rd:
+      # the f16 page: each compute warpgroup dequantizes its half
+      scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
+    elif interpret:
+      # interpret mode has no A operand in registers: each compute warpgroup's converted operand goes through SMEM
+      scratch.update(a_smem=plgpu.SMEM((2, PAGE, CHUNK), jnp.float16, transforms=SWZ16))
   else:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
@@ -690,13 +725,37 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       partial. Mosaic's cross-warp reductions (each page's max, the row sums) share one SMEM scratch region; the
       two warpgroups reduce different values at unrelated times here, so warpgroup 1 runs inside a scoped
       allocation that moves its reductions to a region of their own."""
-      plgpu.set_max_registers(plan.registers[1], action="increase")
+      plgpu.set_max_registers(COMPUTE_REGISTERS if rd else plan.registers[1], action="increase")
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
       chunks = range(HALF // CHUNK)
       bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
       on_gpu = not interpret
+      tok_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, PAGE), 1, layout=plgpu.Layout.WGMMA)
+
+      def qk_operands(slot, t: int):
+        """register_dequant: the two [64 tok, 64] f16 A operands of column tile t of the slot's page."""
+        cols = pl.ds((t % 2) * FP8_TILE, FP8_TILE)
+        if on_gpu:
+          raw = plgpu.load(ring_lat.at[slot, t // 2, :, cols], layout=fp8_ops.QK_TILE_LAYOUT, optimized=True)
+          return fp8_ops.qk_operands_gpu(t)(raw, ring_sc.at[slot])
+        return fp8_ops.qk_operands_jnp(ring_lat[slot, t // 2, :, cols], ring_sc[slot][:, t])
+
+      def pv_operands(slot, h: int):
+        """register_dequant: the four [64 dims, 64 tok] f16 A operands of latent half h of the slot's page."""
+        if on_gpu:
+          raw = plgpu.load(ring_lat.at[slot, h], layout=fp8_ops.PV_HALF_LAYOUT, optimized=True)
+          return fp8_ops.pv_operands_gpu(h)(raw, ring_sc.at[slot])
+        return fp8_ops.pv_operands_jnp(ring_lat[slot, h], ring_sc[slot][:, 2 * h:2 * h + 2])
+
+      def wgmma_a(acc_ref, a, b_ref):
+        """wgmma with A from registers (interpret mode: through this warpgroup's SMEM slot)."""
+        if on_gpu:
+          plgpu.wgmma(acc_ref, a, b_ref)
+        else:
+          r["a_smem"][w] = a
+          plgpu.wgmma(acc_ref, r["a_smem"].at[w], b_ref)
 
       def seg(b, ctr):
         lo, hi = seq_pages(b)
@@ -727,6 +786,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
             def qk(acc_ref):
               for h in range(2):
+                if rd:
+                  for t in (2 * h, 2 * h + 1):   # column tile t of the page: its two chunks (Q permuted to match)
+                    for cc, a in zip((2 * t, 2 * t + 1), qk_operands(slot, t)):
+                      wgmma_a(acc_ref, a, qn_smem.at[h + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)].T)
+                  continue
                 for cc in chunks:
                   plgpu.wgmma(acc_ref, ring_lat.at[slot, h, :, pl.ds(cc * CHUNK, CHUNK)],
                               qn_smem.at[h + z, :, pl.ds(cc * CHUNK, CHUNK)].T)
@@ -745,6 +809,20 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             plgpu.commit_smem()
 
             def pv(acc_ref):
+              if rd:
+                # O^T rows in sm90_fp8_operands.pv_rows order; tokens past the length (a partial last page) -> 0
+                # by select in the operand (they may hold NaN): only that page pays the select
+                def blocks(masked: bool):
+                  for h in range(2):
+                    for b, a in enumerate(pv_operands(slot, h)):
+                      if masked:
+                        a = jnp.where(tok_iota < length - j * PAGE, a, jnp.zeros_like(a))
+                      wgmma_a(acc_ref.at[pl.ds((4 * h + b) * CHUNK, CHUNK)], a, pbuf.at[w, 0].T)
+                  plgpu.wgmma_wait(0)
+
+                pl.when(length - j * PAGE >= PAGE)(lambda: blocks(False))
+                pl.when(length - j * PAGE < PAGE)(lambda: blocks(True))
+                return
               for h in range(2):
                 for i2, cc in enumerate(chunks):
                   plgpu.wgmma(acc_ref.at[pl.ds((h * len(chunks) + i2) * CHUNK, CHUNK)],
@@ -972,7 +1050,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
-               lookahead: bool | None = None,
+               lookahead: bool | None = None, register_dequant: bool | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -1001,7 +1079,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   "a1") the seesaw kernel's fp8 producer releases to their QK in two column tiles
   (mosaic_sm90_seesaw.Plan.tile_release; None: TILE_RELEASE). alternate: the swapped kernel's compute warpgroups take
   alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting producers load the
-  next page before converting this one (Plan.lookahead; None: LOOKAHEAD).
+  next page before converting this one (Plan.lookahead; None: LOOKAHEAD). register_dequant: the swapped kernel with an
+  fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
+  None: off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1015,9 +1095,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if which == "seesaw":
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
-        or lookahead is not None):
+        or lookahead is not None or register_dequant is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers / alternate (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
+                       "producers / alternate / lookahead / register_dequant (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
                        "kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
@@ -1034,9 +1114,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      f"seesaw kernel and to the swapped kernel with producer_dequant, got {registers!r} for the "
                      f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
-                             or alternate is not None or lookahead is not None):
+                             or alternate is not None or lookahead is not None or register_dequant is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
-                     "producers, alternate), to the swapped kernel (kernel='seesaw' or 'swapped')")
+                     "producers, alternate, lookahead), to the swapped kernel, as does register_dequant "
+                     "(kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1048,7 +1129,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     raise ValueError("mosaic_sm90: prefetch_tiles and rebase_per_page apply to the rows kernel (kernel='rows')")
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
-                   producers=producers, alternate=alternate, lookahead=lookahead, **(registers or {}))
+                   producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
+                   **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
@@ -1056,12 +1138,16 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the
   # second array straight from these
   q_nope, q_rope = (fp8_q_operands if fp8 else q_operands)(q, q_rope, plan.n, plan.groups)
+  if plan.register_dequant:
+    q_nope = fp8_ops.q_in_qk_order(q_nope)          # the dims in the order of the kernel's QK A operands
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]
+  if plan.register_dequant:
+    out = fp8_ops.rows_in_dim_order(out)             # O's rows came in the order of the P.V A operands
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
   lse = jnp.swapaxes(lse[:, :plan.rows].reshape(batch, sq, heads), 1, 2)
   return out, lse

@@ -750,9 +750,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         return fp8_ops.pv_operands_jnp(ring_lat[slot, h], ring_sc[slot][:, 2 * h:2 * h + 2])
 
       def wgmma_a(acc_ref, a, b_ref):
-        """wgmma with A from registers (interpret mode: through this warpgroup's SMEM slot)."""
+        """wgmma with A from registers (interpret mode: through this warpgroup's SMEM slot). One such group stays in
+        flight while the next operand is converted: the one before retires first, so its registers are free (with
+        every group of a product in flight ptxas spilled 136 B; with two, it serialized the wgmmas: C7515)."""
         if on_gpu:
           plgpu.wgmma(acc_ref, a, b_ref)
+          plgpu.wgmma_wait(1)
         else:
           r["a_smem"][w] = a
           plgpu.wgmma(acc_ref, r["a_smem"].at[w], b_ref)

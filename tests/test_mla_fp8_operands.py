@@ -58,20 +58,34 @@ def test_qk_register_map_builds_the_jnp_operands(tile):
     np.testing.assert_array_equal(_place(regs), np.asarray(want[q], np.float64))
 
 
+def _prmt(x: int, y: int, selector: int) -> int:
+  """PTX prmt.b32 (default mode): result byte n = byte (selector nibble n) of the 8 bytes y:x."""
+  both = x | y << 32
+  return sum(((both >> (8 * ((selector >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def _e4m3_value(code: int) -> float:
+  return float(np.asarray(jnp.asarray(np.uint8(code)).view(jnp.float8_e4m3fn).astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("half", [0, 1])
-def test_pv_register_map_builds_the_jnp_operands(half):
+def test_pv_instructions_build_the_jnp_operands(half):
+  """The bytes each thread's permutes and conversions take, simulated instruction by instruction on its loaded
+  words (the map alone cannot catch a wrong selector or half: the first GPU run had one)."""
   rng = np.random.default_rng(10 + half)
   raw = _e4m3_tile(rng, (64, 256))
   scales = 2.0 ** rng.integers(-4, 4, size=(64, 4))
-  vals = _thread_values(ops.PV_HALF_LAYOUT, np.asarray(raw.astype(jnp.float32)))
+  byte_of = _thread_values(ops.PV_HALF_LAYOUT, np.asarray(raw.view(jnp.uint8)).astype(np.int64))
   want = ops.pv_operands_jnp(raw, jnp.asarray(scales[:, 2 * half:2 * half + 2], jnp.float32))
   for b in range(4):
     regs = {}
-    for (warp, lane), held in vals.items():
+    for (warp, lane), held in byte_of.items():
       tile = 2 * half + warp // 2
-      for (bb, reg), (x_reg, y_reg, byte, tok_base) in ops.pv_register_map().items():
+      word = lambda reg, k: sum(int(held[(reg, 4 * k + n)]) << (8 * n) for n in range(4))
+      for (bb, reg), (x_reg, y_reg, k, selector, pick, tok_base) in ops.pv_instructions().items():
         if bb == b:
           tok = 2 * (lane % 4) + tok_base
-          regs.setdefault((warp, lane), {})[(reg, 0)] = held[(x_reg, byte)] * scales[tok, tile]
-          regs[(warp, lane)][(reg, 1)] = held[(y_reg, byte)] * scales[tok + 1, tile]
+          pair = (_prmt(word(x_reg, k), word(y_reg, k), selector) >> (16 * pick)) & 0xFFFF
+          regs.setdefault((warp, lane), {})[(reg, 0)] = _e4m3_value(pair & 0xFF) * scales[tok, tile]
+          regs[(warp, lane)][(reg, 1)] = _e4m3_value(pair >> 8) * scales[tok + 1, tile]
     np.testing.assert_array_equal(_place(regs), np.asarray(want[b], np.float64))

@@ -265,7 +265,6 @@ def pv_operands_gpu(half: int):
   """(e4m3 [64, 256] latent half `half` of the page in PV_HALF_LAYOUT, the slot's scales [64, 4] f32) -> the four
   [64 dims (pv_rows order), 64 tok] f16 A operands of its M-blocks, times the tokens' scales."""
   shape = mgpu.WGMMA_LAYOUT.registers_shape((PAGE, CHUNK))
-  rmap = pv_register_map()
 
   @plgpu.inline_mgpu(arg_types=(PV_HALF_LAYOUT, plgpu.RefType()), return_type=(_A_TYPE,) * 4)
   def convert(_ctx, raw, sc_ref):
@@ -287,22 +286,32 @@ def pv_operands_gpu(half: int):
     for b in range(HALF // BLOCK):
       regs = np.empty(shape, dtype=object)
       for idx in np.ndindex(*shape):
-        x_reg, y_reg, byte, tok_base = rmap[(b, idx)]
+        x_reg, y_reg, word, selector, pick, tok_base = pv_instructions()[(b, idx)]
         for src in (x_reg, y_reg):
           if src not in words:
             words[src] = _words(raw.registers[src])
-        key = (x_reg, y_reg, byte // 4)
-        if key not in pairs:
-          # bytes [x_i, y_i, x_i+1, y_i+1] for the even byte i of this dim pair: rows g (low) and g + 8 (high)
-          i = byte % 4 - byte % 2
-          pairs[key] = _prmt(words[x_reg][byte // 4], words[y_reg][byte // 4],
-                             i | (4 + i) << 4 | (i + 1) << 8 | (5 + i) << 12)
+        key = (x_reg, y_reg, word, selector)
+        if key not in pairs:                  # one permute serves rows g and g + 8 (its two halves)
+          pairs[key] = _prmt(words[x_reg][word], words[y_reg][word], selector)
         s2 = _f16x2_of_f32(scale(tok_base), scale(tok_base + 1))
-        regs[idx] = _cvt_scaled(pairs[key], byte % 2, s2)
+        regs[idx] = _cvt_scaled(pairs[key], pick, s2)
       out.append(_a_array(regs))
     return tuple(out)
 
   return convert
+
+
+@functools.lru_cache(maxsize=None)
+def pv_instructions() -> dict:
+  """{(block b', A register index): (register x, register y, word, prmt selector, half, token k - 2c)}: what
+  pv_operands_gpu emits for that A register: prmt(word of x, word of y, selector), then the e4m3 pair in that
+  16-bit half. For a dim at byte i + h of the word (i even) the selector gives bytes [x_i, y_i, x_i+1, y_i+1], so
+  the low half is row g's (tokens k, k + 1) and the high half row g + 8's."""
+  out = {}
+  for key, (x_reg, y_reg, byte, tok_base) in pv_register_map().items():
+    i = byte % 4 - byte % 2
+    out[key] = (x_reg, y_reg, byte // 4, i | (4 + i) << 4 | (i + 1) << 8 | (5 + i) << 12, byte % 2, tok_base)
+  return out
 
 
 # ---- the permutations as reshapes (no gather), and the operands in jnp for interpret mode ------------------

@@ -431,6 +431,9 @@ def timing_variants():
         for label, batch, length, ragged, kw in (
             ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
             (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))),
+      # ... with its producer's L2 prefetch off or deeper than the default
+      *((f"fp8_e4m3 h16 register dequant prefetch {ahead}", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, l2_prefetch=ahead)) for ahead in (0, 1, 4)),
   ]
 
 

@@ -1146,7 +1146,8 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
 @pytest.mark.parametrize("heads,sq,lens,causal,parts,kw", [
     # zero length, partial pages (NaN past the length reaches the P.V operand), one-page segments, odd counts
     (16, 1, [129, 0, 64, 3, 200], False, 3, {}),
-    (8, 1, [330, 2, 65, 1], False, 2, {}),                                 # the ring wraps
+    (8, 1, [330, 2, 65, 1], False, 2, dict(l2_prefetch=8)),                # the ring wraps; prefetch past ends
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(l2_prefetch=0)),
     (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16)),                 # Sq 2 causal, two head groups
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
@@ -1162,7 +1163,8 @@ def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
 def test_swapped_register_dequant_plan():
   plan = ms.make_plan(16, True, register_dequant=True)
   assert (plan.register_dequant, plan.alternate, plan.producer_dequant, plan.producers, plan.num_stages,
-          plan.num_warpgroups) == (True, True, False, 1, 2, 3)
+          plan.num_warpgroups, plan.l2_prefetch) == (True, True, False, 1, 2, 3, ms.REGISTER_DEQUANT_L2_PREFETCH_PAGES)
+  assert ms.make_plan(16, True, register_dequant=True, l2_prefetch=0).l2_prefetch == 0
   # no f16 page (kbuf: [2, 64, 256] f16): the e4m3 ring and its scales only
   assert plan.smem_bytes == ms._smem_bytes(16, 2, True, alternate=True) - ms.PAGE * 512 * 2 <= ms.SMEM_LIMIT
   for bad in (dict(producer_dequant=True), dict(producers=2), dict(lookahead=True), dict(alternate=False),

@@ -155,6 +155,9 @@ DEFAULT_L2_PREFETCH_PAGES = 2
 # 111.5 (NOTES.md: the producers' load latency bound it, which lookahead hides only where alternate keeps two
 # pages in flight)
 ALTERNATE = True
+# register_dequant's TMA producer: pages ahead it asks into L2 (its 2-slot ring cannot run further ahead). Not
+# measured yet: without it the HBM-bound call took 140.9 µs against 111.5 with every page L2-resident (H100, NOTES.md)
+REGISTER_DEQUANT_L2_PREFETCH_PAGES = 2
 ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
 
@@ -228,15 +231,17 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     if not fp8:
       raise ValueError("mosaic_sm90: register_dequant converts an fp8 cache's pages in the compute warpgroups; "
                        "it needs an fp8_e4m3 cache")
-    if producer_dequant or producers not in (None, 1) or lookahead or l2_prefetch or producer_registers \
+    if producer_dequant or producers not in (None, 1) or lookahead or producer_registers \
         or compute_registers or alternate is False:
       raise ValueError("mosaic_sm90: register_dequant has one TMA producer and no f16 page: producer_dequant, "
-                       "producers, lookahead, l2_prefetch and the producers' register split do not apply, and it "
-                       "always takes alternate pages")
+                       "producers, lookahead and the producers' register split do not apply, and it always takes "
+                       "alternate pages")
     if num_stages not in (None, 2):
       raise ValueError(f"mosaic_sm90: register_dequant gives each compute warpgroup one slot of a 2-slot ring; "
                        f"got num_stages={num_stages}")
-    producer_dequant, l2_prefetch, producers, lookahead = False, 0, 1, False
+    producer_dequant, producers, lookahead = False, 1, False
+    # its TMA producer asks pages ahead into L2 (the ring has two slots, one a compute warpgroup)
+    l2_prefetch = REGISTER_DEQUANT_L2_PREFETCH_PAGES if l2_prefetch is None else l2_prefetch
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
@@ -253,9 +258,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if l2_prefetch is None:
     l2_prefetch = DEFAULT_L2_PREFETCH_PAGES if producer_dequant else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH_PAGES, "pages")
-  if l2_prefetch and not producer_dequant:
-    raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant (its TMA producer "
-                     "already streams pages ahead)")
+  if l2_prefetch and not (producer_dequant or register_dequant):
+    raise ValueError("mosaic_sm90: the swapped kernel's l2_prefetch needs producer_dequant or register_dequant "
+                     "(its TMA producer otherwise streams pages ahead through a deeper ring)")
   if producers is None:
     producers = 2 if producer_dequant and n == TWO_PRODUCERS_ROWS else 1
   if producers not in (1, 2, 4) or isinstance(producers, bool):
@@ -582,7 +587,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
-                    half=HALF)
+                    half=HALF, l2_prefetch=plan.l2_prefetch if rd else 0)
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):

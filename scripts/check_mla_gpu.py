@@ -434,6 +434,10 @@ def timing_variants():
       # ... with its producer's L2 prefetch off or deeper than the default
       *((f"fp8_e4m3 h16 register dequant prefetch {ahead}", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, l2_prefetch=ahead)) for ahead in (0, 1, 4)),
+      # ... with a product's shared-memory loads all issued before its first conversion
+      *((f"fp8_e4m3 h16{label} register dequant loads first", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, loads_first=True, **kw))
+        for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
   ]
 
 

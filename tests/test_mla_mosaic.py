@@ -1147,7 +1147,7 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     # zero length, partial pages (NaN past the length reaches the P.V operand), one-page segments, odd counts
     (16, 1, [129, 0, 64, 3, 200], False, 3, {}),
     (8, 1, [330, 2, 65, 1], False, 2, dict(l2_prefetch=8)),                # the ring wraps; prefetch past ends
-    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(l2_prefetch=0)),
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(l2_prefetch=0, loads_first=True)),
     (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16)),                 # Sq 2 causal, two head groups
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
@@ -1173,5 +1173,8 @@ def test_swapped_register_dequant_plan():
       ms.make_plan(16, True, register_dequant=True, **bad)
   with pytest.raises(ValueError, match="needs an fp8_e4m3 cache"):
     ms.make_plan(16, False, register_dequant=True)
+  assert ms.make_plan(16, True, register_dequant=True, loads_first=True).loads_first
+  with pytest.raises(ValueError, match="pass register_dequant=True"):
+    ms.make_plan(16, True, loads_first=True)
   with pytest.raises(ValueError, match="pass rows_per_cta=16"):
     ms.make_plan(32, True, register_dequant=True)

@@ -103,6 +103,9 @@ class Plan:
   # bytes from the TMA'd ring and converts them into the A registers of both products (sm90_fp8_operands.py),
   # with Q's latent dims and O's rows permuted to match
   register_dequant: bool = False
+  # register_dequant: every shared-memory load of a product (QK: the page's four tiles; P.V: both halves) issued
+  # before its first conversion, so their latency is paid once a product rather than once a tile
+  loads_first: bool = False
 
   @property
   def smem_bytes(self) -> int:
@@ -212,7 +215,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               l2_prefetch: int | None = None, producers: int | None = None,
               alternate: bool | None = None, lookahead: bool | None = None,
               producer_registers: int | None = None, compute_registers: int | None = None,
-              register_dequant: bool | None = None) -> Plan:
+              register_dequant: bool | None = None, loads_first: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -224,9 +227,13 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   alternate also at most 16 rows a CTA and 2 ring slots. producer_registers / compute_registers (producer_dequant;
   None: producer_dequant_registers') set the register split, checked against what the CTA launches with.
   register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
-  it excludes producer_dequant and its options.
+  it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it.
   """
   register_dequant = bool(register_dequant)
+  loads_first = bool(loads_first)
+  if loads_first and not register_dequant:
+    raise ValueError("mosaic_sm90: loads_first orders register_dequant's shared-memory loads; pass "
+                     "register_dequant=True")
   if register_dequant:
     if not fp8:
       raise ValueError("mosaic_sm90: register_dequant converts an fp8 cache's pages in the compute warpgroups; "
@@ -309,7 +316,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
-              register_dequant=register_dequant)
+              register_dequant=register_dequant, loads_first=loads_first)
   if producer_dequant:
     producer, compute = plan.registers
     check_register_split([producer] * producers + [compute] * 2,
@@ -739,20 +746,30 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       on_gpu = not interpret
       tok_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, PAGE), 1, layout=plgpu.Layout.WGMMA)
 
-      def qk_operands(slot, t: int):
-        """register_dequant: the two [64 tok, 64] f16 A operands of column tile t of the slot's page."""
+      def qk_raw(slot, t: int):
+        """register_dequant: column tile t of the slot's page, e4m3, as the QK conversion reads it."""
         cols = pl.ds((t % 2) * FP8_TILE, FP8_TILE)
         if on_gpu:
-          raw = plgpu.load(ring_lat.at[slot, t // 2, :, cols], layout=fp8_ops.QK_TILE_LAYOUT, optimized=True)
-          return fp8_ops.qk_operands_gpu(t)(raw, ring_sc.at[slot])
-        return fp8_ops.qk_operands_jnp(ring_lat[slot, t // 2, :, cols], ring_sc[slot][:, t])
+          return plgpu.load(ring_lat.at[slot, t // 2, :, cols], layout=fp8_ops.QK_TILE_LAYOUT, optimized=True)
+        return ring_lat[slot, t // 2, :, cols]
 
-      def pv_operands(slot, h: int):
+      def qk_operands(slot, t: int, raw):
+        """register_dequant: the two [64 tok, 64] f16 A operands of column tile t of the slot's page."""
+        if on_gpu:
+          return fp8_ops.qk_operands_gpu(t)(raw, ring_sc.at[slot])
+        return fp8_ops.qk_operands_jnp(raw, ring_sc[slot][:, t])
+
+      def pv_raw(slot, h: int):
+        """register_dequant: latent half h of the slot's page, e4m3, as the P.V conversion reads it."""
+        if on_gpu:
+          return plgpu.load(ring_lat.at[slot, h], layout=fp8_ops.PV_HALF_LAYOUT, optimized=True)
+        return ring_lat[slot, h]
+
+      def pv_operands(slot, h: int, raw):
         """register_dequant: the four [64 dims, 64 tok] f16 A operands of latent half h of the slot's page."""
         if on_gpu:
-          raw = plgpu.load(ring_lat.at[slot, h], layout=fp8_ops.PV_HALF_LAYOUT, optimized=True)
           return fp8_ops.pv_operands_gpu(h)(raw, ring_sc.at[slot])
-        return fp8_ops.pv_operands_jnp(ring_lat[slot, h], ring_sc[slot][:, 2 * h:2 * h + 2])
+        return fp8_ops.pv_operands_jnp(raw, ring_sc[slot][:, 2 * h:2 * h + 2])
 
       def wgmma_a(acc_ref, a, b_ref):
         """wgmma with A from registers (interpret mode: through this warpgroup's SMEM slot). One such group stays in
@@ -793,10 +810,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             z = lax.shift_right_logical(j, 31)
 
             def qk(acc_ref):
+              raws = {t: qk_raw(slot, t) for t in range(4)} if rd and plan.loads_first else {}
               for h in range(2):
                 if rd:
                   for t in (2 * h, 2 * h + 1):   # column tile t of the page: its two chunks (Q permuted to match)
-                    for cc, a in zip((2 * t, 2 * t + 1), qk_operands(slot, t)):
+                    raw = raws[t] if t in raws else qk_raw(slot, t)
+                    for cc, a in zip((2 * t, 2 * t + 1), qk_operands(slot, t, raw)):
                       wgmma_a(acc_ref, a, qn_smem.at[h + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)].T)
                   continue
                 for cc in chunks:
@@ -821,8 +840,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
                 # O^T rows in sm90_fp8_operands.pv_rows order; tokens past the length (a partial last page) -> 0
                 # by select in the operand (they may hold NaN): only that page pays the select
                 def blocks(masked: bool):
+                  raws = {h: pv_raw(slot, h) for h in range(2)} if plan.loads_first else {}
                   for h in range(2):
-                    for b, a in enumerate(pv_operands(slot, h)):
+                    for b, a in enumerate(pv_operands(slot, h, raws[h] if h in raws else pv_raw(slot, h))):
                       if masked:
                         a = jnp.where(tok_iota < length - j * PAGE, a, jnp.zeros_like(a))
                       wgmma_a(acc_ref.at[pl.ds((4 * h + b) * CHUNK, CHUNK)], a, pbuf.at[w, 0].T)
@@ -1059,6 +1079,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                lookahead: bool | None = None, register_dequant: bool | None = None,
+               loads_first: bool | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -1089,7 +1110,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting producers load the
   next page before converting this one (Plan.lookahead; None: LOOKAHEAD). register_dequant: the swapped kernel with an
   fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
-  None: off).
+  None: off); loads_first: its shared-memory loads of a product issued before the first conversion
+  (Plan.loads_first; None: off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1103,7 +1125,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if which == "seesaw":
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
-        or lookahead is not None or register_dequant is not None):
+        or lookahead is not None or register_dequant is not None or loads_first is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
                        "producers / alternate / lookahead / register_dequant (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
                        "kernel's)")
@@ -1122,7 +1144,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      f"seesaw kernel and to the swapped kernel with producer_dequant, got {registers!r} for the "
                      f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
-                             or alternate is not None or lookahead is not None or register_dequant is not None):
+                             or alternate is not None or lookahead is not None or register_dequant is not None
+                             or loads_first is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate, lookahead), to the swapped kernel, as does register_dequant "
                      "(kernel='seesaw' or 'swapped')")
@@ -1138,7 +1161,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
-                   **(registers or {}))
+                   loads_first=loads_first, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

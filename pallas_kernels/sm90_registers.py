@@ -6,10 +6,15 @@ decrease returns them to the CTA's pool, an increase waits until the pool can co
 the launch's allocation waits forever (on an H100, six warpgroups asking 4 x 56 + 2 x 144 = 512 registers a thread-slot
 of the 6 x 80 = 480 they launch with hung in the first increase). ptxas does not see this: each instruction only has
 to fit the launch's count.
+
+Also here: `register_owners`, which register of which thread holds which element of a Mosaic register layout (the
+maps the kernels' inline PTX builds on, checked thread by thread).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 REGISTER_FILE = 65536      # 32-bit registers an SM (sm_90)
 ALLOCATION_UNIT = 8        # registers a thread are allocated, and setmaxnreg takes them, in multiples of 8
@@ -37,3 +42,27 @@ def check_register_split(per_warpgroup: Sequence[int], where: str) -> None:
                      f"a thread-slot, over the {budget} that {len(counts)} warpgroups launch with "
                      f"({launch_registers(len(counts))} each): its first setmaxnreg increase would wait forever. "
                      f"Lower the counts until they sum to at most {budget}.")
+
+
+def register_owners(tiled_layout, shape) -> dict:
+  """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, computed
+  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
+  tiling = tiled_layout.tiling
+  tshape = tiling.tile_shape(tuple(shape))
+  tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
+  rank = len(tshape)
+  norm = lambda d: d % rank
+  warp_dims = [norm(d) for d in tiled_layout.warp_dims]
+  lane_dims = [norm(d) for d in tiled_layout.lane_dims]
+  vdim = norm(tiled_layout.vector_dim)
+  owners = {}
+  for idx in np.ndindex(*tshape):
+    linear = sum(i * st for i, st in zip(idx, tstrides))
+    warp = lane = 0
+    for d in warp_dims:
+      warp = warp * tshape[d] + idx[d]
+    for d in lane_dims:
+      lane = lane * tshape[d] + idx[d]
+    reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
+    owners[(warp, lane, reg, idx[vdim])] = np.unravel_index(linear, shape)
+  return owners

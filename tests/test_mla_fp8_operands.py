@@ -89,3 +89,12 @@ def test_pv_instructions_build_the_jnp_operands(half):
           regs.setdefault((warp, lane), {})[(reg, 0)] = _e4m3_value(pair & 0xFF) * scales[tok, tile]
           regs[(warp, lane)][(reg, 1)] = _e4m3_value(pair >> 8) * scales[tok + 1, tile]
     np.testing.assert_array_equal(_place(regs), np.asarray(want[b], np.float64))
+
+
+def test_maps_hold_python_ints():
+  """The GPU conversions build MLIR constants and register indices from these maps: NumPy integers there fail
+  only at compile time on a GPU (an MLIR attribute error), so the maps must hold plain ints."""
+  flat = lambda v: [x for y in v for x in (y if isinstance(y, tuple) else (y,))]
+  for table in (ops.qk_register_map(), ops.pv_instructions()):
+    for key, value in table.items():
+      assert all(type(x) is int for x in flat(key) + flat(value)), (key, value)

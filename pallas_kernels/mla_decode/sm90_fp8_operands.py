@@ -34,6 +34,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM
+from pallas_kernels.sm90_registers import register_owners
 
 PAGE = 64
 HALF = LATENT_DIM // 2
@@ -76,34 +77,10 @@ def pv_rows() -> np.ndarray:
   return HALF * half + 64 * w + 8 * g + 2 * b + h
 
 
-def register_owners(tiled_layout, shape) -> dict:
-  """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, from its
-  tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
-  tiling = tiled_layout.tiling
-  tshape = tiling.tile_shape(tuple(shape))
-  tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
-  rank = len(tshape)
-  norm = lambda d: d % rank
-  warp_dims = [norm(d) for d in tiled_layout.warp_dims]
-  lane_dims = [norm(d) for d in tiled_layout.lane_dims]
-  vdim = norm(tiled_layout.vector_dim)
-  owners = {}
-  for idx in np.ndindex(*tshape):
-    linear = sum(i * st for i, st in zip(idx, tstrides))
-    warp = lane = 0
-    for d in warp_dims:
-      warp = warp * tshape[d] + idx[d]
-    for d in lane_dims:
-      lane = lane * tshape[d] + idx[d]
-    reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
-    owners[(warp, lane, reg, idx[vdim])] = tuple(int(v) for v in np.unravel_index(linear, shape))
-  return owners
-
-
 def _by_thread(owners: dict) -> dict:
   out = {}
   for (warp, lane, reg, e), idx in owners.items():
-    out.setdefault((warp, lane), {})[idx] = (reg, e)
+    out.setdefault((warp, lane), {})[tuple(int(v) for v in idx)] = (reg, e)
   return out
 
 
@@ -111,7 +88,7 @@ def _a_owners(cols: int = CHUNK) -> dict:
   """{(warp, lane): {(register, element): (row, col)}} of a [64, cols] f16 WGMMA-layout A operand."""
   out = {}
   for (warp, lane, reg, e), idx in register_owners(mgpu.WGMMA_LAYOUT, (PAGE, cols)).items():
-    out.setdefault((warp, lane), {})[(reg, e)] = idx
+    out.setdefault((warp, lane), {})[(reg, e)] = tuple(int(v) for v in idx)
   return out
 
 

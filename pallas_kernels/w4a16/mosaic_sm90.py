@@ -57,7 +57,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import gpu_interpret
-from pallas_kernels.sm90_registers import check_register_split
+from pallas_kernels.sm90_registers import check_register_split, register_owners
 from pallas_kernels.w4a16 import gather_sm90, layout, routing
 
 SUB_N = 64                  # weight columns per consumer warpgroup (wgmma M)
@@ -198,30 +198,6 @@ _W_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))       # i
 _X_SWZ = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))        # bf16 [bm, 32] plane = one tile column
 _XS_SWZ = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))       # bf16 [*, 16]: the correction operands
 _ROW = plgpu.Layout.WGMMA.reduce(1)         # [64] per A row (weight column): each thread's two rows
-
-
-def register_owners(tiled_layout, shape) -> dict:
-  """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, computed
-  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
-  tiling = tiled_layout.tiling
-  tshape = tiling.tile_shape(tuple(shape))
-  tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
-  rank = len(tshape)
-  norm = lambda d: d % rank
-  warp_dims = [norm(d) for d in tiled_layout.warp_dims]
-  lane_dims = [norm(d) for d in tiled_layout.lane_dims]
-  vdim = norm(tiled_layout.vector_dim)
-  owners = {}
-  for idx in np.ndindex(*tshape):
-    linear = sum(i * st for i, st in zip(idx, tstrides))
-    warp = lane = 0
-    for d in warp_dims:
-      warp = warp * tshape[d] + idx[d]
-    for d in lane_dims:
-      lane = lane * tshape[d] + idx[d]
-    reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
-    owners[(warp, lane, reg, idx[vdim])] = np.unravel_index(linear, shape)
-  return owners
 
 
 @functools.lru_cache(maxsize=None)

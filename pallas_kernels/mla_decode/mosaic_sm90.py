@@ -19,7 +19,9 @@ converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and th
 as they read bf16 ones; `producers=2` (the default at 16 rows a CTA) adds a fourth warpgroup, and the two producers
 convert one latent half of each page each (`producers=4`, opt-in: six warpgroups, one column tile each). There
 (fp8 h16) the compute warpgroups also take alternate pages, each whole, instead of both taking every page's halves
-(`alternate`), and the producers load each page one page ahead (`lookahead`).
+(`alternate`), and the producers load each page one page ahead (`lookahead`). With `register_dequant` (opt-in) no
+f16 page exists: one TMA producer streams the e4m3 pages and each compute warpgroup converts its page straight into
+the wgmma A registers of both products (sm90_fp8_operands.py), Q's latent dims and O's rows permuted to match.
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
@@ -302,10 +304,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_stages is None:
     num_stages = 2 if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
-    raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA "
-                     f"need {_smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate,
-                                         register_dequant)} "
-                     f"bytes of SMEM, over {SMEM_LIMIT}")
+    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant)
+    raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need {need} bytes of SMEM, over "
+                     f"{SMEM_LIMIT}")
   register_split = None
   if producer_registers is not None or compute_registers is not None:
     if not producer_dequant:
@@ -1127,8 +1128,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
         or producer_dequant is not None or producers is not None or alternate is not None
         or lookahead is not None or register_dequant is not None or loads_first is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers / alternate / lookahead / register_dequant (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
-                       "kernel's)")
+                       "producers / alternate / lookahead / register_dequant / loads_first (the swapped kernel's) "
+                       "or prefetch_tiles / rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,

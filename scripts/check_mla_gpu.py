@@ -198,6 +198,9 @@ BEFORE_ALTERNATE = dict(alternate=False, lookahead=False)
 ORDER_SHAPES = (("fp8_e4m3", "", 1, 128, False), ("fp8_e4m3", " b64", 1, 64, False),
                 ("fp8_e4m3", " sq2", 2, 128, False), ("fp8_e4m3", " ragged[1..2L]", 1, 128, True),
                 ("bfloat16", "", 1, 128, False))
+# the fp8 h16 shapes the swapped kernel's variants are timed at: (label, batch, L, ragged, extra problem kwargs)
+H16_SHAPES = (("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
+              (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
 
 
 def timing_variants():
@@ -405,9 +408,7 @@ def timing_variants():
       # the converting producers load the next page before converting this one (with and without alternate)
       *((f"fp8_e4m3 h16{label} lookahead{' alternate' if alt else ''}", "fp8_e4m3", 16, 1, batch, length, ragged,
          "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, lookahead=True, alternate=alt, **kw))
-        for label, batch, length, ragged, kw in (
-            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
-            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+        for label, batch, length, ragged, kw in H16_SHAPES
         for alt in (False, True)),
       # bf16 h128's on-chip bound (256 bf16 pages, 18.9 MB: L2-resident), beside the ones above
       ("bfloat16 h128 l2 resident", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=256)),
@@ -415,9 +416,7 @@ def timing_variants():
       # of the time of one producer), with and without lookahead
       *((f"fp8_e4m3 h16{label} producers 4{'' if ahead else ' no lookahead'}", "fp8_e4m3", 16, 1, batch, length,
          ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=4, lookahead=ahead, **kw))
-        for label, batch, length, ragged, kw in (
-            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
-            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))
+        for label, batch, length, ragged, kw in H16_SHAPES
         for ahead in (True, False)),
       # the same with the other split that fits six warpgroups' 480 registers a thread-slot (default: 48 / 144)
       *((f"fp8_e4m3 h16{label} producers 4 registers 56/128", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
@@ -428,9 +427,7 @@ def timing_variants():
       # one TMA producer)
       *((f"fp8_e4m3 h16{label} register dequant", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, **kw))
-        for label, batch, length, ragged, kw in (
-            ("", 128, 4096, False, {}), (" ragged[1..2L]", 128, 4096, True, {}),
-            (" b32 L16384", 32, 16384, False, {}), (" l2 resident", 128, 4096, False, dict(l2_pool_pages=512)))),
+        for label, batch, length, ragged, kw in H16_SHAPES),
       # ... with its producer's L2 prefetch off or deeper than the default
       *((f"fp8_e4m3 h16 register dequant prefetch {ahead}", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, l2_prefetch=ahead)) for ahead in (0, 1, 4)),

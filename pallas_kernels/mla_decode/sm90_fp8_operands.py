@@ -10,12 +10,12 @@ A wgmma A fragment gives lane (g, c) of warp w rows 16 w + g and 16 w + g + 8 an
 2c, 2c+1, 2c+8, 2c+9. Both products are free to permute the dims they run over, so the permutations below put
 every byte a thread needs for a token (QK) or for a pair of tokens (P.V) next to each other in shared memory:
 - QK: logical column k = 16 j + 8 eh + 2 c + el of a 64-dim chunk is page dim 16 c + 4 j + 2 eh + el of that
-  chunk; Q's latent part is permuted the same way (QK_DIMS), so S^T is unchanged. One 16-byte load of a token's
+  chunk; Q's latent part is permuted the same way (`qk_dims`), so S^T is unchanged. One 16-byte load of a token's
   row gives a thread its four k-steps of that chunk.
 - P.V: A row r = 16 w + g + 8 h of M-block b' of latent half H is dim 256 H + 64 w + 8 g + 2 b' + h. One 8-byte
   load at token t gives a thread its rows of all four blocks of the half; a pair of tokens' loads make, by one
   byte permute, the (t, t+1) pairs of two rows. O^T comes out with its rows in that order and is put back in dim
-  order after the merge (PV_ROWS).
+  order after the merge (`pv_rows`).
 Scales (one a token and 128-dim tile, powers of two) multiply the f16 pairs (exact). Only e4m3 -> f16 exists on
 this ptxas (`cvt.rn.f16x2.e4m3x2`), hence f16 products as in the rest of the fp8 path.
 
@@ -40,6 +40,7 @@ PAGE = 64
 HALF = LATENT_DIM // 2
 CHUNK = 64                 # dims of one QK A array (4 k-steps)
 BLOCK = 64                 # dims of one P.V M-block
+
 
 def _tiled_layout(tiles, warp_dims, lane_dims, vector_dim):
   """plgpu TILED layout of Mosaic's canonical form of this tiling (Mosaic refuses a non-canonical one; the tilings
@@ -149,10 +150,6 @@ def pv_register_map() -> dict:
 
 
 # ---- GPU: inline PTX per register --------------------------------------------------------------------------
-def _i32(v):
-  return mgpu.utils.bitcast(v, ir.IntegerType.get_signless(32))
-
-
 def _words(vec) -> list:
   """An e4m3 vector register -> its 32-bit words."""
   i32 = ir.IntegerType.get_signless(32)
@@ -192,9 +189,11 @@ def _thread():
   return warp, lane
 
 
-def _scale_at(sc_ref, row, col: int):
+def _scale_at(sc_ref, row, col):
+  """sc_ref[row, col] (f32) for i32 values or Python ints."""
   index = ir.IndexType.get()
-  return memref.load(sc_ref, [arith.index_cast(index, row), arith.constant(index, col)])
+  at = lambda v: arith.constant(index, v) if isinstance(v, int) else arith.index_cast(index, v)
+  return memref.load(sc_ref, [at(row), at(col)])
 
 
 def _a_array(regs):
@@ -249,15 +248,18 @@ def pv_operands_gpu(half: int):
     warp, lane = _thread()
     c2 = arith.muli(arith.remui(lane, arith.constant(i32, 4)), arith.constant(i32, 2))
     tile = arith.addi(arith.constant(i32, 2 * half), arith.divui(warp, arith.constant(i32, 2)))
-    index = ir.IndexType.get()
-    tile_idx = arith.index_cast(index, tile)
-    scale_of = {}
+    scale_of, pair_scales = {}, {}
 
     def scale(tok_base: int):
       if tok_base not in scale_of:
-        t = arith.addi(c2, arith.constant(i32, tok_base))
-        scale_of[tok_base] = memref.load(sc_ref, [arith.index_cast(index, t), tile_idx])
+        scale_of[tok_base] = _scale_at(sc_ref, arith.addi(c2, arith.constant(i32, tok_base)), tile)
       return scale_of[tok_base]
+
+    def scales2(tok_base: int):
+      """f16x2 (scale of token k, of token k + 1), once a token pair for the four blocks."""
+      if tok_base not in pair_scales:
+        pair_scales[tok_base] = _f16x2_of_f32(scale(tok_base), scale(tok_base + 1))
+      return pair_scales[tok_base]
 
     words, pairs, out = {}, {}, []
     for b in range(HALF // BLOCK):
@@ -270,8 +272,7 @@ def pv_operands_gpu(half: int):
         key = (x_reg, y_reg, word, selector)
         if key not in pairs:                  # one permute serves rows g and g + 8 (its two halves)
           pairs[key] = _prmt(words[x_reg][word], words[y_reg][word], selector)
-        s2 = _f16x2_of_f32(scale(tok_base), scale(tok_base + 1))
-        regs[idx] = _cvt_scaled(pairs[key], pick, s2)
+        regs[idx] = _cvt_scaled(pairs[key], pick, scales2(tok_base))
       out.append(_a_array(regs))
     return tuple(out)
 

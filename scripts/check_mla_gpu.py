@@ -435,6 +435,10 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} register dequant loads first", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, loads_first=True, **kw))
         for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
+      # ... with three compute warpgroups: three pages in flight
+      *((f"fp8_e4m3 h16{label} register dequant 3 compute", "fp8_e4m3", 16, 1, batch, length, ragged,
+         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, compute_warpgroups=3, **kw))
+        for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 
 

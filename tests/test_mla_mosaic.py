@@ -18,6 +18,7 @@ from pallas_kernels.mla_decode import api
 from pallas_kernels.mla_decode import mosaic_sm90 as ms
 from pallas_kernels.mla_decode.cache import MLAKVCache
 from pallas_kernels.mla_decode.split_kv import CUT_PAGES_DIRECT, schedule_kernel
+from pallas_kernels.sm90_registers import launch_registers
 from pallas_kernels.testing import compare, random_problem
 from pallas_kernels.mla_decode.reference import mla_decode_numpy
 
@@ -1149,6 +1150,11 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     (8, 1, [330, 2, 65, 1], False, 2, dict(l2_prefetch=8)),                # the ring wraps; prefetch past ends
     (16, 1, [129, 0, 64, 3, 200], False, 3, dict(l2_prefetch=0, loads_first=True)),
     (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16)),                 # Sq 2 causal, two head groups
+    # three compute warpgroups: segments of 1 and 2 pages (a warpgroup with no page hands over an empty state),
+    # page counts not a multiple of 3, the 3-slot ring wrapping over segments; Sq 2 causal
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(compute_warpgroups=3)),
+    (8, 1, [330, 2, 65, 1], False, 2, dict(compute_warpgroups=3, l2_prefetch=8)),
+    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, compute_warpgroups=3, loads_first=True)),
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
@@ -1178,3 +1184,18 @@ def test_swapped_register_dequant_plan():
     ms.make_plan(16, True, loads_first=True)
   with pytest.raises(ValueError, match="pass rows_per_cta=16"):
     ms.make_plan(32, True, register_dequant=True)
+  # three compute warpgroups: a 3-slot ring, four warpgroups, a handed-over O^T and a reduction region each past
+  # the first; only with register_dequant
+  three = ms.make_plan(16, True, register_dequant=True, compute_warpgroups=3)
+  assert (three.compute_warpgroups, three.num_stages, three.num_warpgroups) == (3, 3, 4)
+  assert three.smem_bytes == (plan.smem_bytes + ms.PAGE * (512 + 64 * 2 + 4 * 4) + 16 * ms.PAGE * 2
+                              + ms._reduction_scratch_bytes(16)) <= ms.SMEM_LIMIT
+  assert ms.make_plan(16, True).num_warpgroups == 4                     # the default: 2 compute, 2 producers
+  with pytest.raises(ValueError, match="need register_dequant"):
+    ms.make_plan(16, True, compute_warpgroups=3)
+  with pytest.raises(ValueError, match="compute_warpgroups must be 2 or 3"):
+    ms.make_plan(16, True, register_dequant=True, compute_warpgroups=4)
+  with pytest.raises(ValueError, match="one slot of a 3-slot ring"):
+    ms.make_plan(16, True, register_dequant=True, compute_warpgroups=3, num_stages=2)
+  sum_registers = ms.REGISTER_DEQUANT_3_REGISTERS[0] + 3 * ms.REGISTER_DEQUANT_3_REGISTERS[1]
+  assert sum_registers <= 4 * launch_registers(4)

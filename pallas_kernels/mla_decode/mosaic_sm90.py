@@ -54,7 +54,7 @@ from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw, sm90_fp8_operands as fp8_ops
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
-                                                    check_l2_prefetch, convert_fp8_part, dequant_layout,
+                                                    TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part, dequant_layout,
                                                     load_fp8_part, page_ahead, produce_pages, q_rope_of,
                                                     scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
@@ -108,15 +108,18 @@ class Plan:
   # register_dequant: every shared-memory load of a product (QK: the page's four tiles; P.V: both halves) issued
   # before its first conversion, so their latency is paid once a product rather than once a tile
   loads_first: bool = False
+  # compute warpgroups (warpgroups 0 .. this - 1; the producers follow). register_dequant may take 3: three pages in
+  # flight, one a warpgroup (ring slot = warpgroup), at 160 registers a compute thread instead of 232
+  compute_warpgroups: int = 2
 
   @property
   def smem_bytes(self) -> int:
     return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate,
-                       self.register_dequant)
+                       self.register_dequant, self.compute_warpgroups)
 
   @property
   def num_warpgroups(self) -> int:
-    return NUM_WARPGROUPS + self.producers - 1
+    return self.compute_warpgroups + self.producers
 
   @property
   def registers(self) -> tuple[int, int]:
@@ -163,12 +166,17 @@ ALTERNATE = True
 # register_dequant's TMA producer: pages ahead it asks into L2 (its 2-slot ring cannot run further ahead). Not
 # measured yet: without it the HBM-bound call took 140.9 µs against 111.5 with every page L2-resident (H100, NOTES.md)
 REGISTER_DEQUANT_L2_PREFETCH_PAGES = 2
+# register_dequant with three compute warpgroups: four warpgroups launch with 128 registers a thread, 512 a
+# thread-slot: the TMA producer 32, each compute warpgroup 160 (O^T [512, 16] f32 is 64 of them)
+REGISTER_DEQUANT_3_REGISTERS = (32, 160)
+check_register_split([REGISTER_DEQUANT_3_REGISTERS[0]] + [REGISTER_DEQUANT_3_REGISTERS[1]] * 3,
+                     "mosaic_sm90 register_dequant with 3 compute warpgroups")
 ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
-                alternate: bool = False, register_dequant: bool = False) -> int:
+                alternate: bool = False, register_dequant: bool = False, compute_warpgroups: int = 2) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8 and not producer_dequant:
     # the e4m3 ring; the f16 page the compute warpgroups convert into (none with register_dequant)
@@ -177,9 +185,10 @@ def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
   exchange = 2 * PAGE * n * 4                     # score swap; alternate: warpgroup 1's max and sums
-  p = 2 * n * PAGE * 2 * (2 if split_p else 1)
-  # alternate: warpgroup 1's O^T, and a second reduction scratch region (each warpgroup reduces its own values)
-  extra = LATENT_DIM * n * 4 + _reduction_scratch_bytes(n) if alternate else 0
+  p = compute_warpgroups * n * PAGE * 2 * (2 if split_p else 1)
+  # alternate: the handed-over O^T (one at a time), and a reduction scratch region for each compute warpgroup past
+  # the first (each warpgroup reduces its own values)
+  extra = LATENT_DIM * n * 4 + (compute_warpgroups - 1) * _reduction_scratch_bytes(n) if alternate else 0
   return q + ring + exchange + p + _reduction_scratch_bytes(n) + extra + 1024
 
 
@@ -217,7 +226,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               l2_prefetch: int | None = None, producers: int | None = None,
               alternate: bool | None = None, lookahead: bool | None = None,
               producer_registers: int | None = None, compute_registers: int | None = None,
-              register_dequant: bool | None = None, loads_first: bool | None = None) -> Plan:
+              register_dequant: bool | None = None, loads_first: bool | None = None,
+              compute_warpgroups: int | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -229,10 +239,17 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   alternate also at most 16 rows a CTA and 2 ring slots. producer_registers / compute_registers (producer_dequant;
   None: producer_dequant_registers') set the register split, checked against what the CTA launches with.
   register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
-  it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it.
+  it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
+  compute_warpgroups (None: 2; Plan.compute_warpgroups).
   """
   register_dequant = bool(register_dequant)
   loads_first = bool(loads_first)
+  cw = 2 if compute_warpgroups is None else compute_warpgroups
+  if cw not in (2, 3) or isinstance(cw, bool):
+    raise ValueError(f"mosaic_sm90: compute_warpgroups must be 2 or 3, got {compute_warpgroups!r}")
+  if cw == 3 and not register_dequant:
+    raise ValueError("mosaic_sm90: three compute warpgroups (three pages in flight) need register_dequant: the "
+                     "f16 ring of the other plans has no room for a third slot; pass register_dequant=True")
   if loads_first and not register_dequant:
     raise ValueError("mosaic_sm90: loads_first orders register_dequant's shared-memory loads; pass "
                      "register_dequant=True")
@@ -245,9 +262,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
       raise ValueError("mosaic_sm90: register_dequant has one TMA producer and no f16 page: producer_dequant, "
                        "producers, lookahead and the producers' register split do not apply, and it always takes "
                        "alternate pages")
-    if num_stages not in (None, 2):
-      raise ValueError(f"mosaic_sm90: register_dequant gives each compute warpgroup one slot of a 2-slot ring; "
-                       f"got num_stages={num_stages}")
+    if num_stages not in (None, cw):
+      raise ValueError(f"mosaic_sm90: register_dequant gives each of its {cw} compute warpgroups one slot of a "
+                       f"{cw}-slot ring; got num_stages={num_stages}")
     producer_dequant, producers, lookahead = False, 1, False
     # its TMA producer asks pages ahead into L2 (the ring has two slots, one a compute warpgroup)
     l2_prefetch = REGISTER_DEQUANT_L2_PREFETCH_PAGES if l2_prefetch is None else l2_prefetch
@@ -300,11 +317,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate,
-                                    register_dequant) <= SMEM_LIMIT
+                                    register_dequant, cw) <= SMEM_LIMIT
   if num_stages is None:
-    num_stages = 2 if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
+    num_stages = cw if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
-    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant)
+    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant, cw)
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need {need} bytes of SMEM, over "
                      f"{SMEM_LIMIT}")
   register_split = None
@@ -317,7 +334,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
-              register_dequant=register_dequant, loads_first=loads_first)
+              register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw)
   if producer_dequant:
     producer, compute = plan.registers
     check_register_split([producer] * producers + [compute] * 2,
@@ -410,6 +427,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
   rd = plan.register_dequant                      # the compute warpgroups convert into registers: no kbuf
   producers = plan.producers
+  cw = plan.compute_warpgroups                    # compute warpgroups 0 .. cw - 1; producers cw, cw + 1, ..
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
   scale_log2 = float(softmax_scale) * LOG2E
@@ -429,7 +447,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
     elif interpret:
       # interpret mode has no A operand in registers: each compute warpgroup's converted operand goes through SMEM
-      scratch.update(a_smem=plgpu.SMEM((2, PAGE, CHUNK), jnp.float16, transforms=SWZ16))
+      scratch.update(a_smem=plgpu.SMEM((cw, PAGE, CHUNK), jnp.float16, transforms=SWZ16))
   else:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
@@ -437,17 +455,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   scratch.update(
       # score swap; alternate: warpgroup 1's row maxima and sums at a segment's end (broadcast over 64 rows)
       sx=plgpu.SMEM((2, PAGE, n), jnp.float32),
-      pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
+      pbuf=plgpu.SMEM((cw, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
       # converted stores and the rope's TMA
       loaded=plgpu.Barrier(num_arrivals=1 + producers if pd else 4 if fp8 else 3, num_barriers=stages),
       # ring slot free again (alternate: released by the one warpgroup that read it)
       consumed=plgpu.Barrier(num_arrivals=1 if plan.alternate else 2, num_barriers=stages))
   if plan.alternate:
+    # (with 3 compute warpgroups one barrier of each a handing warpgroup: 1, 2 -> .at[0], .at[1])
+    hand_barrier = lambda: plgpu.Barrier(num_arrivals=1, **({} if cw == 2 else dict(num_barriers=cw - 1)))
     scratch.update(
-        obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # warpgroup 1's O^T
-        handed=plgpu.Barrier(num_arrivals=1),                                      # warpgroup 1's state written
-        taken=plgpu.Barrier(num_arrivals=1))                                       # ... and read by warpgroup 0
+        obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # a handing warpgroup's O^T
+        handed=hand_barrier(),                                                     # its state written
+        taken=hand_barrier())                                                      # ... and read by warpgroup 0
   else:
     scratch.update(
         xbar=plgpu.Barrier(num_arrivals=2),                                        # scores written
@@ -595,7 +615,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
-                    half=HALF, l2_prefetch=plan.l2_prefetch if rd else 0)
+                    half=HALF, l2_prefetch=plan.l2_prefetch if rd else 0,
+                    registers=REGISTER_DEQUANT_3_REGISTERS[0] if cw == 3 else TMA_PRODUCER_REGISTERS)
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
@@ -732,13 +753,15 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
     def compute_alternate(w: int):
-      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % 2 == w (ring slot w), each whole:
-      S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroup 1
-      hands (max, row sums, O^T) to warpgroup 0 through SMEM, which merges them with its own and writes the
-      partial. Mosaic's cross-warp reductions (each page's max, the row sums) share one SMEM scratch region; the
-      two warpgroups reduce different values at unrelated times here, so warpgroup 1 runs inside a scoped
-      allocation that moves its reductions to a region of their own."""
-      plgpu.set_max_registers(COMPUTE_REGISTERS if rd else plan.registers[1], action="increase")
+      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % cw == w (ring slot w), each whole:
+      S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroups
+      cw - 1, .., 1 hand (max, row sums, O^T) to warpgroup 0 in turn through one set of SMEM buffers; warpgroup 0
+      merges each with its own and writes the partial. Mosaic's cross-warp reductions (each page's max, the row
+      sums) share one SMEM scratch region; the warpgroups reduce different values at unrelated times here, so
+      warpgroup k runs inside k nested scoped allocations that move its reductions to a region of its own."""
+      registers = (REGISTER_DEQUANT_3_REGISTERS[1] if cw == 3 else COMPUTE_REGISTERS) if rd else plan.registers[1]
+      plgpu.set_max_registers(registers, action="increase")
+      hand_bar = lambda ref, k: ref if cw == 2 else ref.at[k - 1]   # warpgroup k's hand-over barrier
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
@@ -802,7 +825,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
           def page(i, carry):
             acc, m_i, l_acc = carry
-            j = first + 2 * i
+            j = first + cw * i
             slot = lax.rem(ctr + (j - lo), stages)            # = w
             plgpu.barrier_wait(loaded.at[slot])
 
@@ -868,32 +891,40 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, l_acc
 
-          first = lo + lax.rem(ctr + w, 2)                    # this warpgroup's first page of the segment
-          count = jnp.maximum(hi - first + 1, 0) // 2
+          # this warpgroup's first page of the segment: page c of the walk (c = ctr + j - lo) with c % cw == w
+          first = lo + (lax.rem(ctr + w, 2) if cw == 2 else lax.rem(w - lax.rem(ctr, cw) + cw, cw))
+          count = jnp.maximum(hi - first + cw - 1, 0) // cw
           acc0 = plgpu.layout_cast(jnp.zeros((LATENT_DIM, n), jnp.float32), plgpu.Layout.WGMMA)
           m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
           l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
           acc, m_i, l_acc = lax.fori_loop(0, count, page, (acc0, m0, l0))
           l_i = l_acc.sum(axis=0)
-          if w == 1:
-            @pl.when(ctr > 0)
-            def _():
-              plgpu.barrier_wait(taken)                       # warpgroup 0 read the previous segment's state
+          if w > 0:
+            # the buffers are free once warpgroup 0 read the hand-over before this one: warpgroup w + 1's of this
+            # segment, or (the last warpgroup) warpgroup 1's of the previous segment
+            if w < cw - 1:
+              plgpu.barrier_wait(hand_bar(taken, w + 1))
+            else:
+              @pl.when(ctr > 0)
+              def _():
+                plgpu.barrier_wait(hand_bar(taken, 1))
             sx[0] = bcast(m_i, (PAGE, n))
             sx[1] = bcast(l_i, (PAGE, n))
             obuf[...] = acc
-            plgpu.barrier_arrive(handed)
+            plgpu.barrier_arrive(hand_bar(handed, w))
             return
-          plgpu.barrier_wait(handed)
-          m_1 = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
-          l_1 = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
-          m = jnp.maximum(m_i, m_1)
-          m_use = jnp.where(m == -jnp.inf, 0.0, m)
-          a_0, a_1 = jnp.exp2(m_i - m_use), jnp.exp2(m_1 - m_use)
-          acc = (acc * bcast(a_0, acc.shape)
-                 + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_1, acc.shape))
-          plgpu.barrier_arrive(taken)
-          l = a_0 * l_i + a_1 * l_1
+          for k in range(cw - 1, 0, -1):
+            plgpu.barrier_wait(hand_bar(handed, k))
+            m_k = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
+            l_k = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
+            m = jnp.maximum(m_i, m_k)
+            m_use = jnp.where(m == -jnp.inf, 0.0, m)
+            a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)
+            acc = (acc * bcast(a_0, acc.shape)
+                   + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_k, acc.shape))
+            plgpu.barrier_arrive(hand_bar(taken, k))
+            m_i, l_i = m, a_0 * l_i + a_k * l_k
+          m, l = m_i, l_i
           seen = l > 0
           inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
           eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
@@ -903,20 +934,26 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         return ctr + jnp.maximum(hi - lo, 0)
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
-      if w == 1:
+      if w == cw - 1:
         @pl.when(done > 0)
         def _():
-          plgpu.barrier_wait(taken)                           # the last hand-over read: no phase left pending
+          plgpu.barrier_wait(hand_bar(taken, 1))              # the last hand-over read: no phase left pending
 
     if plan.alternate:
-      # warpgroup 1 first, inside a scoped SMEM allocation the size of the reduction scratch: its reductions then
-      # use the region after it, warpgroup 0's the region at the start. (A scoped SMEM allocation is made by every
-      # warpgroup, behind a CTA-wide barrier at its entry, so it must come before any warpgroup waits on another.)
-      pl.run_scoped(lambda _: pl.when(wg == 1)(functools.partial(compute_alternate, 1)),
-                    plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
-    pl.when(wg == 2)(producer)
+      # warpgroups 1 .. cw - 1 first, warpgroup k inside k nested scoped SMEM allocations the size of the reduction
+      # scratch: its reductions then use the k-th region after the start, warpgroup 0's the region at the start.
+      # (A scoped SMEM allocation is made by every warpgroup, behind a CTA-wide barrier at its entry, so every
+      # entry comes before any warpgroup waits on another: the deepest scope's warpgroup is traced first.)
+      def scoped(k: int):
+        def body(_):
+          if k + 1 < cw:
+            scoped(k + 1)
+          pl.when(wg == k)(functools.partial(compute_alternate, k))
+        pl.run_scoped(body, plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
+      scoped(1)
+    pl.when(wg == cw)(producer)
     for k in range(1, producers):
-      pl.when(wg == 2 + k)(functools.partial(produce_converted_pages, *converted_share(k)))
+      pl.when(wg == cw + k)(functools.partial(produce_converted_pages, *converted_share(k)))
     if plan.alternate:
       pl.when(wg == 0)(functools.partial(compute_alternate, 0))
     else:
@@ -1080,7 +1117,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                lookahead: bool | None = None, register_dequant: bool | None = None,
-               loads_first: bool | None = None,
+               loads_first: bool | None = None, compute_warpgroups: int | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -1112,7 +1149,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   next page before converting this one (Plan.lookahead; None: LOOKAHEAD). register_dequant: the swapped kernel with an
   fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
   None: off); loads_first: its shared-memory loads of a product issued before the first conversion
-  (Plan.loads_first; None: off).
+  (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
+  pages in flight (Plan.compute_warpgroups; None: 2).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1126,10 +1164,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if which == "seesaw":
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
-        or lookahead is not None or register_dequant is not None or loads_first is not None):
+        or lookahead is not None or register_dequant is not None or loads_first is not None
+        or compute_warpgroups is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers / alternate / lookahead / register_dequant / loads_first (the swapped kernel's) "
-                       "or prefetch_tiles / rebase_per_page (the rows kernel's)")
+                       "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups "
+                       "(the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
@@ -1146,10 +1185,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None or register_dequant is not None
-                             or loads_first is not None):
+                             or loads_first is not None or compute_warpgroups is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
-                     "producers, alternate, lookahead), to the swapped kernel, as does register_dequant "
-                     "(kernel='seesaw' or 'swapped')")
+                     "producers, alternate, lookahead), to the swapped kernel, as does register_dequant (and "
+                     "loads_first, compute_warpgroups) (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1162,7 +1201,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
-                   loads_first=loads_first, **(registers or {}))
+                   loads_first=loads_first, compute_warpgroups=compute_warpgroups, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -48,13 +48,15 @@ def share_of_part(sched_ref, cu_ref, part):
 
 
 def produce_pages(*, b_first, b_last, seq_pages, bt_ref, lat_ref, rope_ref, sc_ref, ring_lat, ring_rope, ring_sc,
-                  loaded, consumed, stages: int, num_pages: int, half: int, l2_prefetch: int = 0):
+                  loaded, consumed, stages: int, num_pages: int, half: int, l2_prefetch: int = 0,
+                  registers: int = TMA_PRODUCER_REGISTERS):
   """The producer warpgroup's body: every page of the share, in order, by TMA into ring slot c % stages (latent as
   two column halves, rope, and the fp8 scales when sc_ref is given), after the compute warpgroups released that slot
   (`consumed`); each slot's copies arrive on `loaded[slot]`. Table entries are clipped to the pool, so a bad entry
   cannot fault (the api NaNs that row). l2_prefetch: that many pages of the segment ahead of the one being copied
-  are asked into L2 (TMA prefetch), so a copy that waited for its slot finds its page there (0: off)."""
-  plgpu.set_max_registers(TMA_PRODUCER_REGISTERS, action="decrease")
+  are asked into L2 (TMA prefetch), so a copy that waited for its slot finds its page there (0: off). registers:
+  what this warpgroup gives back to (setmaxnreg) for the compute warpgroups beside it."""
+  plgpu.set_max_registers(registers, action="decrease")
 
   def prefetch(b, j, hi):
     @pl.when(j < hi)

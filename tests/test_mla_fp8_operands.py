@@ -68,40 +68,33 @@ def _e4m3_value(code: int) -> float:
   return float(np.asarray(jnp.asarray(np.uint8(code)).view(jnp.float8_e4m3fn).astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("half,n_valid", [(0, 64), (1, 64), (0, 37), (1, 1), (0, 0)])
-def test_pv_instructions_build_the_jnp_operands(half, n_valid):
+@pytest.mark.parametrize("half", [0, 1])
+def test_pv_instructions_build_the_jnp_operands(half):
   """The bytes each thread's permutes and conversions take, simulated instruction by instruction on its loaded
-  words (the map alone cannot catch a wrong selector or half: the first GPU run had one), with the words of tokens
-  past n_valid zeroed as pv_operands_gpu does (those tokens hold NaN here)."""
-  rng = np.random.default_rng(10 + half + n_valid)
+  words (the map alone cannot catch a wrong selector or half: the first GPU run had one)."""
+  rng = np.random.default_rng(10 + half)
   raw = _e4m3_tile(rng, (64, 256))
-  raw = raw.at[n_valid:].set(jnp.nan)
   scales = 2.0 ** rng.integers(-4, 4, size=(64, 4))
-  scales[n_valid:] = np.nan
   byte_of = _thread_values(ops.PV_HALF_LAYOUT, np.asarray(raw.view(jnp.uint8)).astype(np.int64))
-  want = ops.pv_operands_jnp(raw, jnp.asarray(scales[:, 2 * half:2 * half + 2], jnp.float32), n_valid)
-  assert not np.isnan(np.asarray(want, np.float32)).any()
-  offsets = ops.pv_token_offsets()
+  want = ops.pv_operands_jnp(raw, jnp.asarray(scales[:, 2 * half:2 * half + 2], jnp.float32))
   for b in range(4):
     regs = {}
     for (warp, lane), held in byte_of.items():
       tile = 2 * half + warp // 2
-      kept = lambda reg: 2 * (lane % 4) + offsets[reg] < n_valid
-      word = lambda reg, k: sum(int(held[(reg, 4 * k + n)]) << (8 * n) for n in range(4)) if kept(reg) else 0
+      word = lambda reg, k: sum(int(held[(reg, 4 * k + n)]) << (8 * n) for n in range(4))
       for (bb, reg), (x_reg, y_reg, k, selector, pick, tok_base) in ops.pv_instructions().items():
         if bb == b:
           tok = 2 * (lane % 4) + tok_base
           pair = (_prmt(word(x_reg, k), word(y_reg, k), selector) >> (16 * pick)) & 0xFFFF
-          scale = lambda t: scales[t, tile] if t < n_valid else 0.0         # the GPU code's select
-          regs.setdefault((warp, lane), {})[(reg, 0)] = _e4m3_value(pair & 0xFF) * scale(tok)
-          regs[(warp, lane)][(reg, 1)] = _e4m3_value(pair >> 8) * scale(tok + 1)
+          regs.setdefault((warp, lane), {})[(reg, 0)] = _e4m3_value(pair & 0xFF) * scales[tok, tile]
+          regs[(warp, lane)][(reg, 1)] = _e4m3_value(pair >> 8) * scales[tok + 1, tile]
     np.testing.assert_array_equal(_place(regs), np.asarray(want[b], np.float64))
 
 
 def test_maps_hold_python_ints():
   """The GPU conversions build MLIR constants and register indices from these maps: NumPy integers there fail
   only at compile time on a GPU (an MLIR attribute error), so the maps must hold plain ints."""
-  flat = lambda v: [x for y in (v if isinstance(v, tuple) else (v,)) for x in (y if isinstance(y, tuple) else (y,))]
-  for table in (ops.qk_register_map(), ops.pv_instructions(), ops.pv_token_offsets()):
+  flat = lambda v: [x for y in v for x in (y if isinstance(y, tuple) else (y,))]
+  for table in (ops.qk_register_map(), ops.pv_instructions()):
     for key, value in table.items():
       assert all(type(x) is int for x in flat(key) + flat(value)), (key, value)

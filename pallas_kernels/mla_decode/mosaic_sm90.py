@@ -768,6 +768,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       chunks = range(HALF // CHUNK)
       bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
       on_gpu = not interpret
+      tok_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, PAGE), 1, layout=plgpu.Layout.WGMMA)
 
       def qk_raw(slot, t: int):
         """register_dequant: column tile t of the slot's page, e4m3, as the QK conversion reads it."""
@@ -788,12 +789,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           return plgpu.load(ring_lat.at[slot, h], layout=fp8_ops.PV_HALF_LAYOUT, optimized=True)
         return ring_lat[slot, h]
 
-      def pv_operands(slot, h: int, raw, n_valid):
-        """register_dequant: the four [64 dims, 64 tok] f16 A operands of latent half h of the slot's page, its
-        tokens from n_valid on zero (a partial last page's may hold NaN)."""
+      def pv_operands(slot, h: int, raw):
+        """register_dequant: the four [64 dims, 64 tok] f16 A operands of latent half h of the slot's page."""
         if on_gpu:
-          return fp8_ops.pv_operands_gpu(h)(raw, ring_sc.at[slot], jnp.full((1,), n_valid, jnp.int32))
-        return fp8_ops.pv_operands_jnp(raw, ring_sc[slot][:, 2 * h:2 * h + 2], n_valid)
+          return fp8_ops.pv_operands_gpu(h)(raw, ring_sc.at[slot])
+        return fp8_ops.pv_operands_jnp(raw, ring_sc[slot][:, 2 * h:2 * h + 2])
 
       def wgmma_a(acc_ref, a, b_ref):
         """wgmma with A from registers (interpret mode: through this warpgroup's SMEM slot). One such group stays in
@@ -862,13 +862,18 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             def pv(acc_ref):
               if rd:
                 # O^T rows in sm90_fp8_operands.pv_rows order; tokens past the length (a partial last page) -> 0
-                # as their bytes are loaded (one select a word, on every page: one copy of this code)
-                raws = {h: pv_raw(slot, h) for h in range(2)} if plan.loads_first else {}
-                for h in range(2):
-                  raw = raws[h] if h in raws else pv_raw(slot, h)
-                  for b, a in enumerate(pv_operands(slot, h, raw, length - j * PAGE)):
-                    wgmma_a(acc_ref.at[pl.ds((4 * h + b) * CHUNK, CHUNK)], a, pbuf.at[w, 0].T)
-                plgpu.wgmma_wait(0)
+                # by select in the operand (they may hold NaN): only that page pays the select
+                def blocks(masked: bool):
+                  raws = {h: pv_raw(slot, h) for h in range(2)} if plan.loads_first else {}
+                  for h in range(2):
+                    for b, a in enumerate(pv_operands(slot, h, raws[h] if h in raws else pv_raw(slot, h))):
+                      if masked:
+                        a = jnp.where(tok_iota < length - j * PAGE, a, jnp.zeros_like(a))
+                      wgmma_a(acc_ref.at[pl.ds((4 * h + b) * CHUNK, CHUNK)], a, pbuf.at[w, 0].T)
+                  plgpu.wgmma_wait(0)
+
+                pl.when(length - j * PAGE >= PAGE)(lambda: blocks(False))
+                pl.when(length - j * PAGE < PAGE)(lambda: blocks(True))
                 return
               for h in range(2):
                 for i2, cc in enumerate(chunks):

@@ -28,7 +28,6 @@ import functools
 
 import numpy as np
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
@@ -238,62 +237,22 @@ def qk_operands_gpu(tile: int):
 
 
 @functools.lru_cache(maxsize=None)
-def pv_token_offsets() -> dict:
-  """{PV_HALF_LAYOUT register index: its token - 2c} for lane (g, c): every byte of a register is one token's (an
-  8-byte vector of one row). Raises unless it is the same map for every thread."""
-  ref = None
-  for (warp, lane), regs in _by_thread(register_owners(PV_HALF_LAYOUT.to_mgpu(), (PAGE, HALF))).items():
-    m = {}
-    for (tok, _dim), (reg, _e) in regs.items():
-      if m.setdefault(reg, int(tok) - 2 * (lane % 4)) != int(tok) - 2 * (lane % 4):
-        raise AssertionError(f"P.V load register {reg} of thread ({warp}, {lane}) holds more than one token")
-    if ref is None:
-      ref = m
-    elif m != ref:
-      raise AssertionError(f"the P.V token map of thread ({warp}, {lane}) differs from thread (0, 0)'s")
-  return ref
-
-
-# the number of valid tokens of a page, as pv_operands_gpu takes it: one i32 for the whole warpgroup
-VALID_TYPE = plgpu.Layout.WG_SPLAT((1,))
-
-
-@functools.lru_cache(maxsize=None)
 def pv_operands_gpu(half: int):
-  """(e4m3 [64, 256] latent half `half` of the page in PV_HALF_LAYOUT, the slot's scales [64, 4] f32, the page's
-  valid tokens [1] i32 in VALID_TYPE) -> the four [64 dims (pv_rows order), 64 tok] f16 A operands of its M-blocks,
-  times the tokens' scales. The bytes of tokens past the valid count are zeroed as they are loaded (they may hold
-  NaN, which a zero P would not cancel): one select a 32-bit word, 32 a half."""
+  """(e4m3 [64, 256] latent half `half` of the page in PV_HALF_LAYOUT, the slot's scales [64, 4] f32) -> the four
+  [64 dims (pv_rows order), 64 tok] f16 A operands of its M-blocks, times the tokens' scales."""
   shape = mgpu.WGMMA_LAYOUT.registers_shape((PAGE, CHUNK))
-  token_offsets = pv_token_offsets()
 
-  @plgpu.inline_mgpu(arg_types=(PV_HALF_LAYOUT, plgpu.RefType(), VALID_TYPE), return_type=(_A_TYPE,) * 4)
-  def convert(_ctx, raw, sc_ref, valid):
+  @plgpu.inline_mgpu(arg_types=(PV_HALF_LAYOUT, plgpu.RefType()), return_type=(_A_TYPE,) * 4)
+  def convert(_ctx, raw, sc_ref):
     i32 = ir.IntegerType.get_signless(32)
     warp, lane = _thread()
     c2 = arith.muli(arith.remui(lane, arith.constant(i32, 4)), arith.constant(i32, 2))
-    n_valid = valid.registers.item()
-    if isinstance(n_valid.type, ir.VectorType):
-      n_valid = vector.extract(n_valid, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0]))
-    zero = arith.constant(i32, 0)
-    valid_of = {}
-
-    def token_valid(offset: int):
-      """token 2c + offset < n_valid, once a token"""
-      if offset not in valid_of:
-        valid_of[offset] = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(c2, arith.constant(i32, offset)), n_valid)
-      return valid_of[offset]
-
-    def masked_words(src):
-      return [arith.select(token_valid(token_offsets[src]), w, zero) for w in _words(raw.registers[src])]
     tile = arith.addi(arith.constant(i32, 2 * half), arith.divui(warp, arith.constant(i32, 2)))
     scale_of, pair_scales = {}, {}
 
     def scale(tok_base: int):
-      """the token's scale, 0 past n_valid (a poisoned page's may be NaN)"""
       if tok_base not in scale_of:
-        s = _scale_at(sc_ref, arith.addi(c2, arith.constant(i32, tok_base)), tile)
-        scale_of[tok_base] = arith.select(token_valid(tok_base), s, arith.constant(s.type, 0.0))
+        scale_of[tok_base] = _scale_at(sc_ref, arith.addi(c2, arith.constant(i32, tok_base)), tile)
       return scale_of[tok_base]
 
     def scales2(tok_base: int):
@@ -309,7 +268,7 @@ def pv_operands_gpu(half: int):
         x_reg, y_reg, word, selector, pick, tok_base = pv_instructions()[(b, idx)]
         for src in (x_reg, y_reg):
           if src not in words:
-            words[src] = masked_words(src)
+            words[src] = _words(raw.registers[src])
         key = (x_reg, y_reg, word, selector)
         if key not in pairs:                  # one permute serves rows g and g + 8 (its two halves)
           pairs[key] = _prmt(words[x_reg][word], words[y_reg][word], selector)
@@ -357,12 +316,10 @@ def qk_operands_jnp(tile_f8, scales):
   return x[:, 0], x[:, 1]
 
 
-def pv_operands_jnp(half_f8, scales, n_valid):
-  """e4m3 [64, 256] half (tokens x dims), scales [64, 2] f32 (its two tiles), valid tokens (i32) -> the four [64, 64]
-  f16 A operands (V^T rows in pv_rows order), tokens past n_valid zero."""
-  valid = lax.broadcasted_iota(jnp.int32, (PAGE, 1), 0) < n_valid
-  x = jnp.where(valid, half_f8.astype(jnp.float32), 0.0)
-  x = x.reshape(PAGE, 2, FP8_TILE) * jnp.where(valid, scales, 0.0)[:, :, None]
+def pv_operands_jnp(half_f8, scales):
+  """e4m3 [64, 256] half (tokens x dims), scales [64, 2] f32 (its two tiles) -> the four [64, 64] f16 A operands
+  (V^T rows in pv_rows order)."""
+  x = half_f8.astype(jnp.float32).reshape(PAGE, 2, FP8_TILE) * scales[:, :, None]
   x = x.reshape(PAGE, 4, 8, 4, 2)                                          # tok, w, g, b, h
   x = jnp.transpose(x, (3, 1, 4, 2, 0)).reshape(4, BLOCK, PAGE)            # b, (w, h, g), tok
   return tuple(x[b].astype(jnp.float16) for b in range(HALF // BLOCK))

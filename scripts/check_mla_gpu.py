@@ -439,6 +439,10 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} register dequant 3 compute", "fp8_e4m3", 16, 1, batch, length, ragged,
          "mosaic_sm90", dict(kernel="swapped", register_dequant=True, compute_warpgroups=3, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
+      # ... with a 4-slot ring: two slots a compute warpgroup, its next page loaded while it computes
+      *((f"fp8_e4m3 h16{label} register dequant 4 stages", "fp8_e4m3", 16, 1, batch, length, ragged,
+         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, num_stages=4, **kw))
+        for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 
 

@@ -162,17 +162,20 @@ def test_swapped_alternate_vs_float64(producers, heads, sq, causal, lens, rows_p
     (16, 2, True, LENS, 16),                                     # Sq 2 at 16 rows a CTA: two head groups
     (8, 1, False, LENS, None),
 ])
-@pytest.mark.parametrize("loads_first,compute_warpgroups", [(False, 2), (True, 2), (False, 3)])
-def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, heads, sq, causal, lens, rows_per_cta):
+@pytest.mark.parametrize("loads_first,compute_warpgroups,stages", [(False, 2, None), (True, 2, None), (False, 3, None),
+                                                                   (False, 2, 4)])
+def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, stages, heads, sq, causal, lens,
+                                             rows_per_cta):
   """register_dequant: each page's e4m3 bytes converted into the wgmma A registers of both products (no f16 page),
   Q's dims and O's rows permuted to match; partial pages masked in the P.V operand. Three compute warpgroups: three
-  pages in flight, two hand-overs a segment through one set of buffers, a reduction region each."""
+  pages in flight, two hand-overs a segment through one set of buffers, a reduction region each. Four stages: two
+  ring slots a compute warpgroup."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 29, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
                               register_dequant=True, loads_first=loads_first, rows_per_cta=rows_per_cta,
-                              compute_warpgroups=compute_warpgroups),
+                              compute_warpgroups=compute_warpgroups, num_stages=stages),
       c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 

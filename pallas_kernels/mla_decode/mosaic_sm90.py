@@ -184,7 +184,8 @@ def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_
             + (0 if register_dequant else PAGE * LATENT_DIM * 2))
   else:
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
-  exchange = 2 * PAGE * n * 4                     # score swap; alternate: warpgroup 1's max and sums
+  # score swap; alternate: a handing warpgroup's max and sums (register_dequant: both in one [64, n] array)
+  exchange = (1 if register_dequant else 2) * PAGE * n * 4
   p = compute_warpgroups * n * PAGE * 2 * (2 if split_p else 1)
   # alternate: the handed-over O^T (one at a time), and a reduction scratch region for each compute warpgroup past
   # the first (each warpgroup reduces its own values)
@@ -262,9 +263,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
       raise ValueError("mosaic_sm90: register_dequant has one TMA producer and no f16 page: producer_dequant, "
                        "producers, lookahead and the producers' register split do not apply, and it always takes "
                        "alternate pages")
-    if num_stages not in (None, cw):
+    if num_stages not in (None, cw) and not (cw == 2 and num_stages == 4):
       raise ValueError(f"mosaic_sm90: register_dequant gives each of its {cw} compute warpgroups one slot of a "
-                       f"{cw}-slot ring; got num_stages={num_stages}")
+                       f"{cw}-slot ring{' or two of a 4-slot ring' if cw == 2 else ''}; got num_stages={num_stages}")
     producer_dequant, producers, lookahead = False, 1, False
     # its TMA producer asks pages ahead into L2 (the ring has two slots, one a compute warpgroup)
     l2_prefetch = REGISTER_DEQUANT_L2_PREFETCH_PAGES if l2_prefetch is None else l2_prefetch
@@ -311,7 +312,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError(f"mosaic_sm90: alternate (the compute warpgroups take alternate pages of the f16 ring) needs "
                      f"producer_dequant (fp8) and at most {ALTERNATE_MAX_ROWS} rows a CTA (a whole [512, N] f32 "
                      f"accumulator a warpgroup), got producer_dequant={producer_dequant} with {n} rows a CTA")
-  if alternate and num_stages not in (None, 2):
+  if alternate and num_stages not in (None, 2) and not register_dequant:
     raise ValueError(f"mosaic_sm90: alternate gives each compute warpgroup one slot of a 2-slot ring; got "
                      f"num_stages={num_stages}")
   if num_parts is None:
@@ -454,7 +455,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   scratch.update(
       # score swap; alternate: warpgroup 1's row maxima and sums at a segment's end (broadcast over 64 rows)
-      sx=plgpu.SMEM((2, PAGE, n), jnp.float32),
+      sx=plgpu.SMEM((1 if rd else 2, PAGE, n), jnp.float32),
       pbuf=plgpu.SMEM((cw, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
       # converted stores and the rope's TMA
@@ -826,7 +827,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           def page(i, carry):
             acc, m_i, l_acc = carry
             j = first + cw * i
-            slot = lax.rem(ctr + (j - lo), stages)            # = w
+            # = w; with register_dequant's 4-slot ring w or w + 2 (each warpgroup waits for every phase of its
+            # two slots' barriers)
+            slot = lax.rem(ctr + (j - lo), stages)
             plgpu.barrier_wait(loaded.at[slot])
 
             # (Q's half index plus a run-time zero: its wgmma descriptors are built in the loop, not hoisted
@@ -908,15 +911,23 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               @pl.when(ctr > 0)
               def _():
                 plgpu.barrier_wait(hand_bar(taken, 1))
-            sx[0] = bcast(m_i, (PAGE, n))
-            sx[1] = bcast(l_i, (PAGE, n))
+            if rd:                                            # m in rows 0-31, l in rows 32-63
+              sx[0] = jnp.where(row_iota < PAGE // 2, bcast(m_i, (PAGE, n)), bcast(l_i, (PAGE, n)))
+            else:
+              sx[0] = bcast(m_i, (PAGE, n))
+              sx[1] = bcast(l_i, (PAGE, n))
             obuf[...] = acc
             plgpu.barrier_arrive(hand_bar(handed, w))
             return
           for k in range(cw - 1, 0, -1):
             plgpu.barrier_wait(hand_bar(handed, k))
-            m_k = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
-            l_k = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
+            if rd:
+              both = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA)
+              m_k = jnp.where(row_iota < PAGE // 2, both, -jnp.inf).max(axis=0)
+              l_k = jnp.where(row_iota < PAGE // 2, -jnp.inf, both).max(axis=0)
+            else:
+              m_k = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
+              l_k = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
             m = jnp.maximum(m_i, m_k)
             m_use = jnp.where(m == -jnp.inf, 0.0, m)
             a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)

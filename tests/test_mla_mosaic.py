@@ -1155,9 +1155,9 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(compute_warpgroups=3)),
     (8, 1, [330, 2, 65, 1], False, 2, dict(compute_warpgroups=3, l2_prefetch=8)),
     (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, compute_warpgroups=3, loads_first=True)),
-    # a 4-slot ring: each compute warpgroup's next page lands while it computes (slots w and w + 2)
-    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(num_stages=4)),
-    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, num_stages=4)),
+    # the cases above run the default 4-slot ring (slots w and w + 2 a compute warpgroup); these the 2-slot one
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(num_stages=2)),
+    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, num_stages=2, l2_prefetch=1)),
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
@@ -1172,8 +1172,10 @@ def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
 def test_swapped_register_dequant_plan():
   plan = ms.make_plan(16, True, register_dequant=True)
   assert (plan.register_dequant, plan.alternate, plan.producer_dequant, plan.producers, plan.num_stages,
-          plan.num_warpgroups, plan.l2_prefetch) == (True, True, False, 1, 2, 3, ms.REGISTER_DEQUANT_L2_PREFETCH_PAGES)
-  assert ms.make_plan(16, True, register_dequant=True, l2_prefetch=0).l2_prefetch == 0
+          plan.num_warpgroups, plan.l2_prefetch) == (True, True, False, 1, ms.REGISTER_DEQUANT_STAGES, 3,
+                                                     ms.REGISTER_DEQUANT_L2_PREFETCH_PAGES)
+  assert ms.make_plan(16, True, register_dequant=True, l2_prefetch=2).l2_prefetch == 2
+  plan = ms.make_plan(16, True, register_dequant=True, num_stages=2)
   # no f16 page (kbuf: [2, 64, 256] f16): the e4m3 ring and its scales only; the hand-over's max and sums share one
   # [64, 16] f32 array
   assert (plan.smem_bytes == ms._smem_bytes(16, 2, True, alternate=True) - ms.PAGE * 512 * 2 - ms.PAGE * 16 * 4
@@ -1202,8 +1204,8 @@ def test_swapped_register_dequant_plan():
     ms.make_plan(16, True, register_dequant=True, compute_warpgroups=4)
   with pytest.raises(ValueError, match="one slot of a 3-slot ring"):
     ms.make_plan(16, True, register_dequant=True, compute_warpgroups=3, num_stages=2)
-  # two slots a compute warpgroup: the m / l hand-over in one [64, n] array makes the 4-slot ring fit
-  four = ms.make_plan(16, True, register_dequant=True, num_stages=4)
+  # two slots a compute warpgroup (the default): the m / l hand-over in one [64, n] array makes the 4-slot ring fit
+  four = ms.make_plan(16, True, register_dequant=True)
   assert (four.num_stages, four.num_warpgroups) == (4, 3) and four.smem_bytes <= ms.SMEM_LIMIT
   with pytest.raises(ValueError, match="or two of a 4-slot ring"):
     ms.make_plan(16, True, register_dequant=True, num_stages=3)

@@ -163,9 +163,12 @@ DEFAULT_L2_PREFETCH_PAGES = 2
 # 111.5 (NOTES.md: the producers' load latency bound it, which lookahead hides only where alternate keeps two
 # pages in flight)
 ALTERNATE = True
-# register_dequant's TMA producer: pages ahead it asks into L2 (its 2-slot ring cannot run further ahead). Not
-# measured yet: without it the HBM-bound call took 140.9 µs against 111.5 with every page L2-resident (H100, NOTES.md)
-REGISTER_DEQUANT_L2_PREFETCH_PAGES = 2
+# register_dequant's defaults: a 4-slot ring (two slots a compute warpgroup) with no L2 prefetch. One H100, jax
+# 0.11.2, fp8 h16 b128 L4096, CUPTI kernel µs (0f2cf18, NOTES.md): 2 slots with 0 / 1 / 2 / 4 pages prefetched
+# 141.5 / 136.4 / 151.4 / 200.1; 4 slots 130.5 / 136.4 / 144.3 (prefetch 0 / 1 / 2), 106.1 with every page
+# L2-resident; the default plan beside them 131.0 (110.4 L2-resident)
+REGISTER_DEQUANT_STAGES = 4
+REGISTER_DEQUANT_L2_PREFETCH_PAGES = 0
 # register_dequant with three compute warpgroups: four warpgroups launch with 128 registers a thread, 512 a
 # thread-slot: the TMA producer 32, each compute warpgroup 160 (O^T [512, 16] f32 is 64 of them)
 REGISTER_DEQUANT_3_REGISTERS = (32, 160)
@@ -266,8 +269,10 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     if num_stages not in (None, cw) and not (cw == 2 and num_stages == 4):
       raise ValueError(f"mosaic_sm90: register_dequant gives each of its {cw} compute warpgroups one slot of a "
                        f"{cw}-slot ring{' or two of a 4-slot ring' if cw == 2 else ''}; got num_stages={num_stages}")
+    if num_stages is None:
+      num_stages = REGISTER_DEQUANT_STAGES if cw == 2 else cw
     producer_dequant, producers, lookahead = False, 1, False
-    # its TMA producer asks pages ahead into L2 (the ring has two slots, one a compute warpgroup)
+    # its TMA producer may ask pages ahead into L2
     l2_prefetch = REGISTER_DEQUANT_L2_PREFETCH_PAGES if l2_prefetch is None else l2_prefetch
   split_p = (not fp8) if split_p is None else bool(split_p)
   if split_p and fp8:

@@ -54,9 +54,9 @@ from pallas_kernels import gpu_interpret
 from pallas_kernels.mla_decode import mosaic_sm90_rows, mosaic_sm90_seesaw, sm90_fp8_operands as fp8_ops
 from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAKVCache
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
-                                                    TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part, dequant_layout,
-                                                    load_fp8_part, page_ahead, produce_pages, q_rope_of,
-                                                    scale_layout, share_of_part)
+                                                    TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part,
+                                                    dequant_layout, load_fp8_part, page_ahead, produce_pages,
+                                                    q_rope_of, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 from pallas_kernels.sm90_registers import check_register_split
@@ -93,7 +93,7 @@ class Plan:
   # whole 576-wide QK and 512-wide P.V of its pages, with its own online softmax) instead of both taking every
   # page's two latent halves and swapping partial scores; warpgroup 1 hands its state to warpgroup 0 at the end of
   # each sequence's segment. Two pages are in flight in the compute warpgroups and no per-page exchange links them.
-  # Needs the 2-slot ring (slot = warpgroup).
+  # Needs the 2-slot ring (slot = warpgroup); register_dequant's default ring has 4 slots, w and w + 2 warpgroup w's.
   alternate: bool = False
   # producer_dequant: each producer loads the next page's e4m3 halves (into registers) before converting this
   # page's, so the GMEM / L2 latency of a page passes under the previous page's conversion instead of adding to it
@@ -240,8 +240,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
   DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
   alternate and lookahead (None: on where the CTA has two producers, ALTERNATE / LOOKAHEAD) need producer_dequant;
-  alternate also at most 16 rows a CTA and 2 ring slots. producer_registers / compute_registers (producer_dequant;
-  None: producer_dequant_registers') set the register split, checked against what the CTA launches with.
+  alternate also at most 16 rows a CTA and 2 ring slots (register_dequant: 4 by default, REGISTER_DEQUANT_STAGES).
+  producer_registers / compute_registers (producer_dequant; None: producer_dequant_registers') set the register
+  split, checked against what the CTA launches with.
   register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
   it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
   compute_warpgroups (None: 2; Plan.compute_warpgroups).
@@ -459,7 +460,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
         ring_rope=plgpu.SMEM((stages, PAGE, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))
   scratch.update(
-      # score swap; alternate: warpgroup 1's row maxima and sums at a segment's end (broadcast over 64 rows)
+      # score swap; alternate: a handing warpgroup's row maxima and sums at a segment's end (broadcast over 64 rows;
+      # register_dequant: the maxima in rows 0-31 of one array, the sums in rows 32-63)
       sx=plgpu.SMEM((1 if rd else 2, PAGE, n), jnp.float32),
       pbuf=plgpu.SMEM((cw, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
@@ -759,7 +761,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
     def compute_alternate(w: int):
-      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % cw == w (ring slot w), each whole:
+      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % cw == w (ring slot c % stages: w,
+      or w and w + 2 in register_dequant's 4-slot ring), each whole:
       S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroups
       cw - 1, .., 1 hand (max, row sums, O^T) to warpgroup 0 in turn through one set of SMEM buffers; warpgroup 0
       merges each with its own and writes the partial. Mosaic's cross-warp reductions (each page's max, the row

@@ -444,6 +444,13 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} register dequant 2 stages", "fp8_e4m3", 16, 1, batch, length, ragged,
          "mosaic_sm90", dict(kernel="swapped", register_dequant=True, num_stages=2, l2_prefetch=1, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
+      # one traced copy of the compute warpgroups' code (the instruction cache): the default plan, register_dequant
+      # with two and three compute warpgroups
+      *((f"fp8_e4m3 h16{label}{name} shared loop", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", shared_loop=True, **extra, **kw))
+        for name, extra in (("", {}), (" register dequant", dict(register_dequant=True)),
+                            (" register dequant 3 compute", dict(register_dequant=True, compute_warpgroups=3)))
+        for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 
 

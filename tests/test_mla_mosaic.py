@@ -799,6 +799,9 @@ def test_swapped_fp8_producer_variants_interpret(heads, sq, lens, causal, parts,
     (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=4)),
     (8, 1, [330, 2, 65, 1], False, 2, dict(producers=4, lookahead=False, l2_prefetch=8)),
     (16, 2, [1, 130, 64], True, 2, dict(producers=4, rows_per_cta=16)),
+    # one copy of the compute warpgroups' code, the warpgroup index at run time
+    (16, 1, [129, 0, 64, 3, 200], False, 3, dict(producers=2, shared_loop=True)),
+    (16, 2, [1, 130, 64], True, 2, dict(producers=2, rows_per_cta=16, shared_loop=True)),
 ])
 def test_swapped_alternate_interpret(heads, sq, lens, causal, parts, kw):
   """alternate: the compute warpgroups take alternate pages of the f16 ring, each whole, and merge at each
@@ -1158,6 +1161,9 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     # the cases above run the default 4-slot ring (slots w and w + 2 a compute warpgroup); these the 2-slot one
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(num_stages=2)),
     (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, num_stages=2, l2_prefetch=1)),
+    # one copy of the compute warpgroups' code (two and three of them)
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True)),
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, compute_warpgroups=3)),
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
@@ -1209,5 +1215,10 @@ def test_swapped_register_dequant_plan():
   assert (four.num_stages, four.num_warpgroups) == (4, 3) and four.smem_bytes <= ms.SMEM_LIMIT
   with pytest.raises(ValueError, match="or two of a 4-slot ring"):
     ms.make_plan(16, True, register_dequant=True, num_stages=3)
+  # one copy of the compute code: a reduction region a compute warpgroup instead of the scoped ones, the same bytes
+  shared = ms.make_plan(16, True, register_dequant=True, shared_loop=True)
+  assert shared.shared_loop and shared.smem_bytes == four.smem_bytes
+  with pytest.raises(ValueError, match="shared_loop .* needs alternate"):
+    ms.make_plan(32, True, shared_loop=True)
   sum_registers = ms.REGISTER_DEQUANT_3_REGISTERS[0] + 3 * ms.REGISTER_DEQUANT_3_REGISTERS[1]
   assert sum_registers <= 4 * launch_registers(4)

@@ -56,7 +56,7 @@ from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAK
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
                                                     TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part,
                                                     dequant_layout, load_fp8_part, page_ahead, produce_pages,
-                                                    q_rope_of, scale_layout, share_of_part)
+                                                    q_rope_of, reduce_rows, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 from pallas_kernels.sm90_registers import check_register_split
@@ -111,6 +111,10 @@ class Plan:
   # compute warpgroups (warpgroups 0 .. this - 1; the producers follow). register_dequant may take 3: three pages in
   # flight, one a warpgroup (ring slot = warpgroup), at 160 registers a compute thread instead of 232
   compute_warpgroups: int = 2
+  # alternate (opt-in): one traced copy of the compute warpgroups' code for all of them (the warpgroup index at run
+  # time), their cross-warp reductions each in a scratch region of the kernel's own: the instruction cache holds one
+  # page loop instead of one a warpgroup
+  shared_loop: bool = False
 
   @property
   def smem_bytes(self) -> int:
@@ -231,7 +235,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               alternate: bool | None = None, lookahead: bool | None = None,
               producer_registers: int | None = None, compute_registers: int | None = None,
               register_dequant: bool | None = None, loads_first: bool | None = None,
-              compute_warpgroups: int | None = None) -> Plan:
+              compute_warpgroups: int | None = None, shared_loop: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -245,7 +249,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split, checked against what the CTA launches with.
   register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
   it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
-  compute_warpgroups (None: 2; Plan.compute_warpgroups).
+  compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; opt-in) needs alternate.
   """
   register_dequant = bool(register_dequant)
   loads_first = bool(loads_first)
@@ -341,7 +345,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
-              register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw)
+              register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw,
+              shared_loop=bool(shared_loop))
+  if plan.shared_loop and not plan.alternate:
+    raise ValueError("mosaic_sm90: shared_loop runs the compute warpgroups of alternate pages from one copy of "
+                     "their code; it needs alternate (producer_dequant at 16 rows a CTA, or register_dequant)")
   if producer_dequant:
     producer, compute = plan.registers
     check_register_split([producer] * producers + [compute] * 2,
@@ -472,6 +480,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   if plan.alternate:
     # (with 3 compute warpgroups one barrier of each a handing warpgroup: 1, 2 -> .at[0], .at[1])
     hand_barrier = lambda: plgpu.Barrier(num_arrivals=1, **({} if cw == 2 else dict(num_barriers=cw - 1)))
+    if plan.shared_loop:
+      # each compute warpgroup's cross-warp reductions (Mosaic's own scratch region stays warpgroup 0's merge's)
+      scratch.update(red=plgpu.SMEM((cw, _reduction_scratch_bytes(n) // 4), jnp.float32))
     scratch.update(
         obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # a handing warpgroup's O^T
         handed=hand_barrier(),                                                     # its state written
@@ -760,17 +771,34 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       def _():
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
-    def compute_alternate(w: int):
+    def compute_alternate(w):
       """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % cw == w (ring slot c % stages: w,
       or w and w + 2 in register_dequant's 4-slot ring), each whole:
       S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroups
       cw - 1, .., 1 hand (max, row sums, O^T) to warpgroup 0 in turn through one set of SMEM buffers; warpgroup 0
       merges each with its own and writes the partial. Mosaic's cross-warp reductions (each page's max, the row
       sums) share one SMEM scratch region; the warpgroups reduce different values at unrelated times here, so
-      warpgroup k runs inside k nested scoped allocations that move its reductions to a region of its own."""
+      warpgroup k runs inside k nested scoped allocations that move its reductions to a region of its own.
+      Plan.shared_loop: w is the run-time warpgroup index (one traced copy for all of them) and each warpgroup
+      reduces through its own region of `red`."""
       registers = (REGISTER_DEQUANT_3_REGISTERS[1] if cw == 3 else COMPUTE_REGISTERS) if rd else plan.registers[1]
       plgpu.set_max_registers(registers, action="increase")
       hand_bar = lambda ref, k: ref if cw == 2 else ref.at[k - 1]   # warpgroup k's hand-over barrier
+
+      def branch(cond, f):
+        """f() where cond holds: a Python bool (w a trace-time constant) or a traced one (Plan.shared_loop)"""
+        if isinstance(cond, bool):
+          if cond:
+            f()
+        else:
+          pl.when(cond)(f)
+
+      def over_rows(op: str, x):
+        """x [64, n] reduced over its rows ("max" / "add"): through this warpgroup's region of `red` with the
+        shared loop on the GPU, else through Mosaic's scratch (this warpgroup's, by the scoped allocations)"""
+        if plan.shared_loop and on_gpu:
+          return reduce_rows(op, x, r["red"].at[w])
+        return x.max(axis=0) if op == "max" else x.sum(axis=0)
       row_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 0, layout=plgpu.Layout.WGMMA)
       col_iota = plgpu.broadcasted_iota(jnp.int32, (PAGE, n), 1, layout=plgpu.Layout.WGMMA)
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
@@ -822,12 +850,15 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         @pl.when(hi > lo)
         def _segment():
           bg = b * g_count + grp
-          if w == 0:
+
+          def load_q():
             # warpgroup 1 is past the previous segment's Q (its hand-over came after its last page)
             plgpu.commit_smem()
             for h in range(2):
               plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(h * HALF, HALF)], qn_smem.at[h], qbar.at[h])
             plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem, qbar.at[2])
+
+          branch(w == 0, load_q)
           for h in range(3):
             plgpu.barrier_wait(qbar.at[h])
           limit = (length - sq + 1 + q_index) if causal_rows else length
@@ -862,7 +893,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
             s = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32)) * scale_log2
             s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=0))
+            m_new = jnp.maximum(m_i, over_rows("max", s))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - bcast(m_use, s.shape))
@@ -909,16 +940,13 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
           l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
           acc, m_i, l_acc = lax.fori_loop(0, count, page, (acc0, m0, l0))
-          l_i = l_acc.sum(axis=0)
-          if w > 0:
+          l_i = over_rows("add", l_acc)
+
+          def hand_over():
             # the buffers are free once warpgroup 0 read the hand-over before this one: warpgroup w + 1's of this
             # segment, or (the last warpgroup) warpgroup 1's of the previous segment
-            if w < cw - 1:
-              plgpu.barrier_wait(hand_bar(taken, w + 1))
-            else:
-              @pl.when(ctr > 0)
-              def _():
-                plgpu.barrier_wait(hand_bar(taken, 1))
+            branch(w < cw - 1, lambda: plgpu.barrier_wait(hand_bar(taken, w + 1)))
+            branch(w == cw - 1, lambda: pl.when(ctr > 0)(lambda: plgpu.barrier_wait(hand_bar(taken, 1))))
             if rd:                                            # m in rows 0-31, l in rows 32-63
               sx[0] = jnp.where(row_iota < PAGE // 2, bcast(m_i, (PAGE, n)), bcast(l_i, (PAGE, n)))
             else:
@@ -926,39 +954,44 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               sx[1] = bcast(l_i, (PAGE, n))
             obuf[...] = acc
             plgpu.barrier_arrive(hand_bar(handed, w))
-            return
-          for k in range(cw - 1, 0, -1):
-            plgpu.barrier_wait(hand_bar(handed, k))
-            if rd:
-              both = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA)
-              m_k = jnp.where(row_iota < PAGE // 2, both, -jnp.inf).max(axis=0)
-              l_k = jnp.where(row_iota < PAGE // 2, -jnp.inf, both).max(axis=0)
-            else:
-              m_k = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA).max(axis=0)
-              l_k = plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA).max(axis=0)
-            m = jnp.maximum(m_i, m_k)
-            m_use = jnp.where(m == -jnp.inf, 0.0, m)
-            a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)
-            acc = (acc * bcast(a_0, acc.shape)
-                   + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_k, acc.shape))
-            plgpu.barrier_arrive(hand_bar(taken, k))
-            m_i, l_i = m, a_0 * l_i + a_k * l_k
-          m, l = m_i, l_i
-          seen = l > 0
-          inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-          eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
-          o_ref[eg] = acc * bcast(inv, acc.shape)
-          lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+          def merge_and_write(acc, m_i, l_i):
+            for k in range(cw - 1, 0, -1):
+              plgpu.barrier_wait(hand_bar(handed, k))
+              if rd:
+                both = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA)
+                m_k = over_rows("max", jnp.where(row_iota < PAGE // 2, both, -jnp.inf))
+                l_k = over_rows("max", jnp.where(row_iota < PAGE // 2, -jnp.inf, both))
+              else:
+                m_k = over_rows("max", plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA))
+                l_k = over_rows("max", plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA))
+              m = jnp.maximum(m_i, m_k)
+              m_use = jnp.where(m == -jnp.inf, 0.0, m)
+              a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)
+              acc = (acc * bcast(a_0, acc.shape)
+                     + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_k, acc.shape))
+              plgpu.barrier_arrive(hand_bar(taken, k))
+              m_i, l_i = m, a_0 * l_i + a_k * l_k
+            m, l = m_i, l_i
+            seen = l > 0
+            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+            eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
+            o_ref[eg] = acc * bcast(inv, acc.shape)
+            lse_ref[eg] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+          branch(w > 0, hand_over)
+          branch(w == 0, lambda: merge_and_write(acc, m_i, l_i))
 
         return ctr + jnp.maximum(hi - lo, 0)
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
-      if w == cw - 1:
-        @pl.when(done > 0)
-        def _():
-          plgpu.barrier_wait(hand_bar(taken, 1))              # the last hand-over read: no phase left pending
+      # the last hand-over read: no phase left pending
+      branch(w == cw - 1, lambda: pl.when(done > 0)(lambda: plgpu.barrier_wait(hand_bar(taken, 1))))
 
-    if plan.alternate:
+    if plan.shared_loop:
+      # one copy of the compute warpgroups' code, the warpgroup index at run time
+      pl.when(wg < cw)(lambda: compute_alternate(wg))
+    elif plan.alternate:
       # warpgroups 1 .. cw - 1 first, warpgroup k inside k nested scoped SMEM allocations the size of the reduction
       # scratch: its reductions then use the k-th region after the start, warpgroup 0's the region at the start.
       # (A scoped SMEM allocation is made by every warpgroup, behind a CTA-wide barrier at its entry, so every
@@ -974,7 +1007,8 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     for k in range(1, producers):
       pl.when(wg == cw + k)(functools.partial(produce_converted_pages, *converted_share(k)))
     if plan.alternate:
-      pl.when(wg == 0)(functools.partial(compute_alternate, 0))
+      if not plan.shared_loop:
+        pl.when(wg == 0)(functools.partial(compute_alternate, 0))
     else:
       for w in range(2):
         pl.when(wg == w)(functools.partial(compute, w))
@@ -988,7 +1022,9 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       # mbarrier (each thread arrives with release semantics) or by commit_smem, and the automatic barriers cost
       # 2 warpgroup syncs per store (they made the fp8 h16 kernel ~10% slower on the H200, bench/HISTORY.md).
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
-                                           reduction_scratch_bytes=_reduction_scratch_bytes(n)),
+                                           # (the shared loop reduces through `red` alone)
+                                           reduction_scratch_bytes=0 if plan.shared_loop
+                                           else _reduction_scratch_bytes(n)),
       interpret=_interpret_params(interpret))
 
 
@@ -1137,7 +1173,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                lookahead: bool | None = None, register_dequant: bool | None = None,
                loads_first: bool | None = None, compute_warpgroups: int | None = None,
-               q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               shared_loop: bool | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
@@ -1169,7 +1205,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
   None: off); loads_first: its shared-memory loads of a product issued before the first conversion
   (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
-  pages in flight (Plan.compute_warpgroups; None: 2).
+  pages in flight (Plan.compute_warpgroups; None: 2); shared_loop: the compute warpgroups of alternate pages run
+  one copy of their code (Plan.shared_loop; None: off).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1184,10 +1221,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
         or lookahead is not None or register_dequant is not None or loads_first is not None
-        or compute_warpgroups is not None):
+        or compute_warpgroups is not None or shared_loop is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups "
-                       "(the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
+                       "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups / "
+                       "shared_loop (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
@@ -1204,10 +1241,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None or register_dequant is not None
-                             or loads_first is not None or compute_warpgroups is not None):
+                             or loads_first is not None or compute_warpgroups is not None
+                             or shared_loop is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate, lookahead), to the swapped kernel, as does register_dequant (and "
-                     "loads_first, compute_warpgroups) (kernel='seesaw' or 'swapped')")
+                     "loads_first, compute_warpgroups, shared_loop) (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1220,7 +1258,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
-                   loads_first=loads_first, compute_warpgroups=compute_warpgroups, **(registers or {}))
+                   loads_first=loads_first, compute_warpgroups=compute_warpgroups, shared_loop=shared_loop,
+                   **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -100,6 +100,18 @@ def produce_pages(*, b_first, b_last, seq_pages, bt_ref, lat_ref, rope_ref, sc_r
       plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
 
+def reduce_rows(op: str, x, scratch):
+  """x [64, n] f32 in the WGMMA layout reduced over its 64 rows ("max" or "add") -> [n] in WGMMA.reduce(0), its
+  cross-warp step through `scratch` (an f32 [k] SMEM ref, k >= n * 16) instead of the one region Mosaic keeps for
+  the whole CTA: warpgroups running the same code reduce independently, each through a region of its own."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+  def reduce(_ctx, v, ref):
+    return v.reduce(op, 0, scratch=ref)
+
+  return reduce(x, scratch)
+
+
 def dequant_layout(vector: int = 8):
   """Register layout of a [32k tok, 128] tile in the dequant pass: 8 consecutive elements per thread (one 8-byte
   fp8 load, one 16-byte f16 store, both whole swizzle chunks) -- Mosaic's SMEM copy layout for 16-bit 64-wide

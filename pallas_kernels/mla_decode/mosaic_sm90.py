@@ -481,7 +481,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     # (with 3 compute warpgroups one barrier of each a handing warpgroup: 1, 2 -> .at[0], .at[1])
     hand_barrier = lambda: plgpu.Barrier(num_arrivals=1, **({} if cw == 2 else dict(num_barriers=cw - 1)))
     if plan.shared_loop:
-      # each compute warpgroup's cross-warp reductions (Mosaic's own scratch region stays warpgroup 0's merge's)
+      # each compute warpgroup's cross-warp reductions, all of them (the kernel reserves no Mosaic scratch)
       scratch.update(red=plgpu.SMEM((cw, _reduction_scratch_bytes(n) // 4), jnp.float32))
     scratch.update(
         obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # a handing warpgroup's O^T

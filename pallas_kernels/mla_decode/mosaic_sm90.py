@@ -1273,10 +1273,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
+  # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order)
+  row_of_dim = jnp.asarray(fp8_ops.row_of_dim()) if plan.register_dequant else None
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
-                            interpret=bool(interpret))                  # [B, G*N, 512], [B, G*N]
-  if plan.register_dequant:
-    out = fp8_ops.rows_in_dim_order(out)             # O's rows came in the order of the P.V A operands
+                            interpret=bool(interpret), row_of_dim=row_of_dim)  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)
   lse = jnp.swapaxes(lse[:, :plan.rows].reshape(batch, sq, heads), 1, 2)
   return out, lse

@@ -300,13 +300,10 @@ def q_in_qk_order(q):
   return jnp.moveaxis(x, -4, -2).reshape(*lead, LATENT_DIM)         # chunk, j, eh, c, el
 
 
-def rows_in_dim_order(o):
-  """o [..., 512] with column R = latent dim pv_rows()[R] -> [..., 512] in dim order."""
-  lead = o.shape[:-1]
-  x = o.reshape(*lead, 2, 4, 4, 2, 8)                                 # half, b, w, h, g
-  n = len(lead)
-  x = jnp.transpose(x, (*range(n), n, n + 2, n + 4, n + 1, n + 3))    # half, w, g, b, h
-  return x.reshape(*lead, LATENT_DIM)
+def row_of_dim() -> np.ndarray:
+  """int32 [512]: the row of the kernel's O^T that holds latent dim D (pv_rows' inverse; the merge kernel gathers
+  its rows in dim order with it)."""
+  return np.argsort(pv_rows()).astype(np.int32)
 
 
 def qk_operands_jnp(tile_f8, scales):

@@ -53,9 +53,10 @@ _LN2 = math.log(2.0)
 
 
 def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: int, rows_major: bool = False,
-                  direct: bool = False):
-  out_ref, lse_ref = refs[-2:]                       # direct: refs[:2] are the same buffers (aliased)
+                  direct: bool = False, permuted: bool = False):
+  out_ref, lse_ref = refs[-2:]                       # direct: refs[1:3] / refs[:2] are the same buffers (aliased)
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows = refs[0][pl.ds(d * COLS, COLS)] if permuted else None          # o_part's rows of this program's dims
   first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
   payload = payload_ref[0]
   p_lo = first // payload
@@ -63,20 +64,22 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: i
   if direct:
     # one share held all of sequence b's pages and its kernel CTA wrote out / lse itself: nothing to merge
     pl.when(p_hi != p_lo)(functools.partial(_merge_sequence, b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref,
-                                            lse_ref, groups=groups, n=n, rows_major=rows_major))
+                                            lse_ref, groups=groups, n=n, rows_major=rows_major, rows=rows))
   else:
     _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, groups=groups, n=n,
-                    rows_major=rows_major)
+                    rows_major=rows_major, rows=rows)
 
 
 def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int,
-                    rows_major: bool):
+                    rows_major: bool, rows=None):
   def merge(p, carry):
     m, den, acc = carry                                                # [n], [n], [COLS, n]
     e = (p + b) * groups + g
     l2 = lse2_ref[e, :]                                                # [n] log2 domain, -inf = no key
     if rows_major:                                                     # partials [E*G, n, 512]
       o = o_ref[e, :, pl.ds(d * COLS, COLS)].T
+    elif rows is not None:
+      o = o_ref[e, rows, :]                                            # [COLS, n], gathered rows
     else:
       o = o_ref[e, pl.ds(d * COLS, COLS), :]                           # [COLS, n]
     m_new = jnp.maximum(m, l2)
@@ -98,7 +101,8 @@ def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, g
 
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
                    groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False,
-                   direct: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+                   direct: tuple[jax.Array, jax.Array] | None = None,
+                   row_of_dim: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
   (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
   [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key).
@@ -106,7 +110,10 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   direct: (out, lse) of those shapes that the kernel already wrote for every sequence one share held whole (its
   partials are then not written); they are updated in place (aliased) for the other sequences only: those split
   over shares and those without pages. With uniform lengths every share holds whole sequences and the merge reads
-  and writes nothing."""
+  and writes nothing.
+
+  row_of_dim: int32 [512], the row of o_part [E*G, 512, N] that holds each latent dim (a kernel whose output rows
+  come in another order: the swapped kernel's register_dequant); None: row d is dim d."""
   if rows_major:
     _, n, dims = o_part.shape
   else:
@@ -123,6 +130,11 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   out_shape = [jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
                jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)]
   operands = [cu, payload, o_part, lse2_part]
+  if row_of_dim is not None:
+    if rows_major or row_of_dim.shape != (LATENT_DIM,) or row_of_dim.dtype != jnp.int32:
+      raise ValueError(f"merge_partials: row_of_dim must be int32 [{LATENT_DIM}] with partials [E*G, "
+                       f"{LATENT_DIM}, N], got {row_of_dim.dtype}{list(row_of_dim.shape)} (rows_major={rows_major})")
+    operands.append(row_of_dim)
   in_specs = [whole(x) for x in operands]
   aliases = {}
   if direct is not None:
@@ -136,7 +148,8 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None),
+        functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None,
+                          permuted=row_of_dim is not None),
         grid=(batch, groups, LATENT_DIM // COLS),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -528,6 +528,31 @@ def test_merge_kernel_rows_major_matches_transposed():
   np.testing.assert_array_equal(np.asarray(lse_r), np.asarray(lse_t))
 
 
+def test_merge_kernel_row_of_dim_gathers_rows_in_dim_order():
+  """merge_partials(row_of_dim=R) on partials whose row R[d] holds dim d == the plain merge of them put in dim order
+  first (register_dequant's P.V order; a random permutation too); a malformed table is refused."""
+  rng = np.random.default_rng(65)
+  pages = np.array([3, 0, 1, 7, 2], np.int32)
+  parts, groups, n = 4, 1, 16
+  cu, _ = ms.schedule(jnp.asarray(pages), parts)
+  e_total = parts + len(pages)
+  o_dims = rng.standard_normal((e_total * groups, 512, n)).astype(np.float32)
+  lse2 = (rng.standard_normal((e_total * groups, n)) * 4).astype(np.float32)
+  lse2[:, 0] = -np.inf
+  payload = ms.share_pages(cu, parts).reshape(1)
+  kw = dict(batch=len(pages), groups=groups, out_dtype=jnp.float32, interpret=True)
+  want = ms.merge_partials(jnp.asarray(o_dims), jnp.asarray(lse2), cu, payload, **kw)
+  for row_of_dim in (ms.fp8_ops.row_of_dim(), rng.permutation(512).astype(np.int32)):
+    o_rows = np.empty_like(o_dims)
+    o_rows[:, row_of_dim] = o_dims                      # row row_of_dim[d] holds dim d
+    got = ms.merge_partials(jnp.asarray(o_rows), jnp.asarray(lse2), cu, payload,
+                            row_of_dim=jnp.asarray(row_of_dim), **kw)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="row_of_dim must be int32"):
+    ms.merge_partials(jnp.asarray(o_dims), jnp.asarray(lse2), cu, payload, row_of_dim=jnp.arange(256), **kw)
+
+
 # ---- the rows kernel with an fp8 cache (each warpgroup dequantizes its token half; a 1-slot fp8 ring by default,
 # 2 slots held through QK as an option) ----------------------------------------------------------------------------
 @pytest.mark.parametrize("stages", [1, 2])

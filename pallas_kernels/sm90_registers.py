@@ -46,7 +46,7 @@ def check_register_split(per_warpgroup: Sequence[int], where: str) -> None:
 
 def register_owners(tiled_layout, shape) -> dict:
   """{(warp, lane, register index, vector element): logical index} of a Mosaic TiledLayout over `shape`, computed
-  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR)."""
+  from its tiling in NumPy (what Mosaic's thread_idxs computes in MLIR); every index a tuple of Python ints."""
   tiling = tiled_layout.tiling
   tshape = tiling.tile_shape(tuple(shape))
   tstrides = tiling.tile_strides(tuple(int(v) for v in np.cumprod((1,) + tuple(shape[::-1]))[-2::-1]))
@@ -64,5 +64,5 @@ def register_owners(tiled_layout, shape) -> dict:
     for d in lane_dims:
       lane = lane * tshape[d] + idx[d]
     reg = tuple(0 if d in warp_dims or d in lane_dims or d == vdim else i for d, i in enumerate(idx))
-    owners[(warp, lane, reg, idx[vdim])] = np.unravel_index(linear, shape)
+    owners[(warp, lane, reg, idx[vdim])] = tuple(int(v) for v in np.unravel_index(linear, shape))
   return owners

@@ -14,8 +14,8 @@ every byte a thread needs for a token (QK) or for a pair of tokens (P.V) next to
   row gives a thread its four k-steps of that chunk.
 - P.V: A row r = 16 w + g + 8 h of M-block b' of latent half H is dim 256 H + 64 w + 8 g + 2 b' + h. One 8-byte
   load at token t gives a thread its rows of all four blocks of the half; a pair of tokens' loads make, by one
-  byte permute, the (t, t+1) pairs of two rows. O^T comes out with its rows in that order and is put back in dim
-  order after the merge (`pv_rows`).
+  byte permute, the (t, t+1) pairs of two rows. O^T comes out with its rows in that order and the merge kernel
+  gathers them in dim order (`pv_rows`, `row_of_dim`).
 Scales (one a token and 128-dim tile, powers of two) multiply the f16 pairs (exact). Only e4m3 -> f16 exists on
 this ptxas (`cvt.rn.f16x2.e4m3x2`), hence f16 products as in the rest of the fp8 path.
 
@@ -81,7 +81,7 @@ def pv_rows() -> np.ndarray:
 def _by_thread(owners: dict) -> dict:
   out = {}
   for (warp, lane, reg, e), idx in owners.items():
-    out.setdefault((warp, lane), {})[tuple(int(v) for v in idx)] = (reg, e)
+    out.setdefault((warp, lane), {})[idx] = (reg, e)
   return out
 
 
@@ -89,7 +89,7 @@ def _a_owners(cols: int = CHUNK) -> dict:
   """{(warp, lane): {(register, element): (row, col)}} of a [64, cols] f16 WGMMA-layout A operand."""
   out = {}
   for (warp, lane, reg, e), idx in register_owners(mgpu.WGMMA_LAYOUT, (PAGE, cols)).items():
-    out.setdefault((warp, lane), {})[(reg, e)] = tuple(int(v) for v in idx)
+    out.setdefault((warp, lane), {})[(reg, e)] = idx
   return out
 
 

@@ -206,11 +206,11 @@ def words_register_map() -> dict:
   feeds element (n, r) of the wgmma A operand [64, 32] (WGMMA layout), held by the same thread. Raises if the two
   layouts do not put every such pair on the same thread at the same register position for every thread."""
   words = register_owners(WORDS_LAYOUT.to_mgpu(), (WORD_ROWS, SUB_N))
-  a_owner = {(wp, ln, tuple(int(v) for v in idx)): (reg, e)
+  a_owner = {(wp, ln, idx): (reg, e)
              for (wp, ln, reg, e), idx in register_owners(mgpu.WGMMA_LAYOUT, (SUB_N, PLANE)).items()}
   out = {}
   for (wp, ln, reg, _), (r, n) in words.items():
-    target = a_owner.get((wp, ln, (int(n), int(r))))
+    target = a_owner.get((wp, ln, (n, r)))
     if target is None or out.setdefault(reg, target) != target:
       raise AssertionError(f"WORDS_LAYOUT does not transpose the wgmma A layout at word ({r}, {n})")
   return out

@@ -424,32 +424,40 @@ def timing_variants():
               registers=dict(producer_registers=56, compute_registers=128), **kw))
         for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
       # no f16 page: the compute warpgroups convert each e4m3 page into their wgmma A registers (alternate pages,
-      # one TMA producer)
+      # one TMA producer); these register_dequant variants each trace their own copy of the compute code (no
+      # shared_loop, which the default plan at 16 rows has)
       *((f"fp8_e4m3 h16{label} register dequant", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
-         dict(kernel="swapped", register_dequant=True, **kw))
+         dict(kernel="swapped", register_dequant=True, shared_loop=False, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
       # ... with its producer's L2 prefetch 1 or 4 pages ahead (the default: none)
       *((f"fp8_e4m3 h16 register dequant prefetch {ahead}", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="swapped", register_dequant=True, l2_prefetch=ahead)) for ahead in (1, 4)),
+         dict(kernel="swapped", register_dequant=True, shared_loop=False, l2_prefetch=ahead)) for ahead in (1, 4)),
       # ... with a product's shared-memory loads all issued before its first conversion
       *((f"fp8_e4m3 h16{label} register dequant loads first", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="swapped", register_dequant=True, loads_first=True, **kw))
+         dict(kernel="swapped", register_dequant=True, shared_loop=False, loads_first=True, **kw))
         for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
       # ... with three compute warpgroups: three pages in flight
       *((f"fp8_e4m3 h16{label} register dequant 3 compute", "fp8_e4m3", 16, 1, batch, length, ragged,
-         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, compute_warpgroups=3, **kw))
+         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, shared_loop=False, compute_warpgroups=3,
+                             **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
       # ... with the 2-slot ring it had before its 4-slot default (one slot a compute warpgroup), one page prefetched
       # (the best of 0 / 1 / 2 / 4 with two slots on an H100)
       *((f"fp8_e4m3 h16{label} register dequant 2 stages", "fp8_e4m3", 16, 1, batch, length, ragged,
-         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, num_stages=2, l2_prefetch=1, **kw))
+         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, shared_loop=False, num_stages=2,
+                             l2_prefetch=1, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
-      # one traced copy of the compute warpgroups' code (the instruction cache): the default plan, register_dequant
-      # with two and three compute warpgroups
+      # one traced copy of the compute warpgroups' code (the instruction cache): the converting producers' plan,
+      # register_dequant with two (the default at 16 rows) and three compute warpgroups
       *((f"fp8_e4m3 h16{label}{name} shared loop", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", shared_loop=True, **extra, **kw))
-        for name, extra in (("", {}), (" register dequant", dict(register_dequant=True)),
+        for name, extra in (("", dict(producer_dequant=True)), (" register dequant", dict(register_dequant=True)),
                             (" register dequant 3 compute", dict(register_dequant=True, compute_warpgroups=3)))
+        for label, batch, length, ragged, kw in H16_SHAPES),
+      # the converting producers' plan (two producers, alternate pages, lookahead): the default at 16 rows a CTA
+      # before register_dequant with shared_loop
+      *((f"fp8_e4m3 h16{label} producers", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", producer_dequant=True, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 

@@ -169,25 +169,29 @@ def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, st
   """register_dequant: each page's e4m3 bytes converted into the wgmma A registers of both products (no f16 page),
   Q's dims and O's rows permuted to match; partial pages masked in the P.V operand. Three compute warpgroups: three
   pages in flight, two hand-overs a segment through one set of buffers, a reduction region each. Two compute
-  warpgroups take two ring slots each by default (4 stages); 2 stages: one each."""
+  warpgroups take two ring slots each by default (4 stages); 2 stages: one each. Each compute warpgroup traces its
+  own copy of the code here (shared_loop=False; the shared copy, the default, is test_swapped_shared_loop's)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 29, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
-                              register_dequant=True, loads_first=loads_first, rows_per_cta=rows_per_cta,
-                              compute_warpgroups=compute_warpgroups, num_stages=stages),
+                              register_dequant=True, shared_loop=False, loads_first=loads_first,
+                              rows_per_cta=rows_per_cta, compute_warpgroups=compute_warpgroups, num_stages=stages),
       c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(register_dequant=True), dict(register_dequant=True, compute_warpgroups=3)])
+@pytest.mark.parametrize("kw", [dict(producer_dequant=True), dict(register_dequant=True),
+                                dict(register_dequant=True, compute_warpgroups=3)])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
+    (16, 1, False, LENS, None),
     (16, 2, True, LENS, 16),                                     # Sq 2 at 16 rows a CTA: two head groups
 ])
 def test_swapped_shared_loop_vs_float64(kw, heads, sq, causal, lens, rows_per_cta):
   """shared_loop: the compute warpgroups of alternate pages run one traced copy of their code (the warpgroup index
-  at run time), each reducing through its own SMEM region: the default fp8 plan and register_dequant."""
+  at run time), each reducing through its own SMEM region: the converting producers' plan and register_dequant (with
+  two compute warpgroups the default fp8 plan at 16 rows a CTA)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 41, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(

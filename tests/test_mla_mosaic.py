@@ -409,7 +409,8 @@ def test_rows_kernel_schedule_matches_its_shares():
 def test_plan_defaults():
   """The measured defaults: the fp8 seesaw prefetches 1 page pair into L2 (not with crossover, not for bf16); the
   swapped kernel's producer converts fp8 pages from 16 rows per CTA (h16, h20, h32, h16 Sq 2), with 2 pages
-  prefetched, split between two producers at 16 rows."""
+  prefetched, split between two producers at 16 rows when an option of that plan is given; otherwise 16 rows a CTA
+  (h16, h8 Sq 2, h9) take register_dequant with one shared copy of the compute code."""
   seesaw = ms.mosaic_sm90_seesaw
   assert seesaw.make_plan(128, num_sms=132, fp8=True).l2_prefetch == seesaw.DEFAULT_L2_PREFETCH == 1
   assert seesaw.make_plan(128, num_sms=132, fp8=False).l2_prefetch == 0
@@ -418,11 +419,20 @@ def test_plan_defaults():
   for fp8 in (False, True):
     assert seesaw.make_plan(128, num_sms=132, fp8=fp8).direct_write == seesaw.DIRECT_WRITE[fp8]
     assert seesaw.make_plan(128, num_sms=132, fp8=fp8, direct_write=False).direct_write is False
-  for rows, on, producers in ((32, True, 1), (20, True, 1), (40, True, 1), (16, True, 2), (9, True, 2),
-                              (8, False, 1), (1, False, 1)):
+  for rows, on in ((32, True), (20, True), (40, True), (8, False), (1, False)):
     plan = ms.make_plan(rows, True)
     assert (plan.producer_dequant, plan.l2_prefetch) == ((True, ms.DEFAULT_L2_PREFETCH_PAGES) if on else (False, 0))
-    assert plan.producers == producers, rows
+    assert (plan.producers, plan.register_dequant, plan.shared_loop) == (1, False, False), rows
+  for rows in (16, 9):
+    plan = ms.make_plan(rows, True)
+    assert (plan.n, plan.register_dequant, plan.shared_loop, plan.producer_dequant, plan.producers,
+            plan.l2_prefetch) == (16, True, True, False, 1, ms.REGISTER_DEQUANT_L2_PREFETCH_PAGES), rows
+    assert plan == ms.make_plan(rows, True, register_dequant=True, shared_loop=True)
+  assert not ms.make_plan(16, False).register_dequant                          # bf16: nothing to convert
+  for producer_option in (dict(producer_dequant=True), dict(producers=2), dict(lookahead=True), dict(alternate=True),
+                          dict(producer_registers=96), dict(num_stages=2)):
+    plan = ms.make_plan(16, True, **producer_option)
+    assert plan.producer_dequant and not (plan.register_dequant or plan.shared_loop), producer_option
   plan = ms.make_plan(32, False)
   assert (plan.producer_dequant, plan.l2_prefetch) == (False, 0)
   plan = ms.make_plan(32, True, producer_dequant=False)
@@ -430,6 +440,8 @@ def test_plan_defaults():
   plan = ms.make_plan(16, True, producer_dequant=True)
   assert (plan.producer_dequant, plan.l2_prefetch) == (True, ms.DEFAULT_L2_PREFETCH_PAGES)
   two = ms.make_plan(32, True, rows_per_cta=16)                                 # 16 rows per CTA, 2 groups
+  assert (two.n, two.groups, two.register_dequant) == (16, 2, True)
+  two = ms.make_plan(32, True, rows_per_cta=16, producer_dequant=True)
   assert (two.n, two.producer_dequant, two.producers) == (16, True, 2)
   assert ms.make_plan(16, True, producer_dequant=False).producers == 1
   with pytest.raises(ValueError, match="needs producer_dequant"):
@@ -859,7 +871,7 @@ def test_swapped_alternate_plan():
   assert (plan.alternate, plan.num_stages, plan.producers) == (True, 2, 2)
   assert plan.smem_bytes <= ms.SMEM_LIMIT and 2 * sum(plan.registers) <= 4 * 128
   assert ms.make_plan(8, True, producer_dequant=True, alternate=True).num_stages == 2
-  default = ms.make_plan(16, True)                                  # two producers: alternate and lookahead
+  default = ms.make_plan(16, True, producer_dequant=True)           # two producers: alternate and lookahead
   assert (default.alternate, default.lookahead) == (ms.ALTERNATE, ms.LOOKAHEAD)
   for one_producer in (ms.make_plan(32, True), ms.make_plan(16, True, producers=1), ms.make_plan(8, True)):
     assert not (one_producer.alternate or one_producer.lookahead)
@@ -1219,7 +1231,7 @@ def test_swapped_register_dequant_plan():
     ms.make_plan(16, False, register_dequant=True)
   assert ms.make_plan(16, True, register_dequant=True, loads_first=True).loads_first
   with pytest.raises(ValueError, match="pass register_dequant=True"):
-    ms.make_plan(16, True, loads_first=True)
+    ms.make_plan(16, True, producer_dequant=True, loads_first=True)
   with pytest.raises(ValueError, match="pass rows_per_cta=16"):
     ms.make_plan(32, True, register_dequant=True)
   # three compute warpgroups: a 3-slot ring, four warpgroups, a handed-over O^T and a reduction region each past
@@ -1228,9 +1240,10 @@ def test_swapped_register_dequant_plan():
   assert (three.compute_warpgroups, three.num_stages, three.num_warpgroups) == (3, 3, 4)
   assert three.smem_bytes == (plan.smem_bytes + ms.PAGE * (512 + 64 * 2 + 4 * 4) + 16 * ms.PAGE * 2
                               + ms._reduction_scratch_bytes(16)) <= ms.SMEM_LIMIT
-  assert ms.make_plan(16, True).num_warpgroups == 4                     # the default: 2 compute, 2 producers
+  assert ms.make_plan(16, True, producer_dequant=True).num_warpgroups == 4   # 2 compute, 2 producers
+  assert ms.make_plan(16, True, compute_warpgroups=3) == three           # register_dequant by default at 16 rows
   with pytest.raises(ValueError, match="need register_dequant"):
-    ms.make_plan(16, True, compute_warpgroups=3)
+    ms.make_plan(16, True, register_dequant=False, compute_warpgroups=3)
   with pytest.raises(ValueError, match="compute_warpgroups must be 2 or 3"):
     ms.make_plan(16, True, register_dequant=True, compute_warpgroups=4)
   with pytest.raises(ValueError, match="one slot of a 3-slot ring"):
@@ -1247,3 +1260,18 @@ def test_swapped_register_dequant_plan():
     ms.make_plan(32, True, shared_loop=True)
   sum_registers = ms.REGISTER_DEQUANT_3_REGISTERS[0] + 3 * ms.REGISTER_DEQUANT_3_REGISTERS[1]
   assert sum_registers <= 4 * launch_registers(4)
+
+
+@pytest.mark.parametrize("dtype,heads,sq", [("fp8_e4m3", 16, 1), ("fp8_e4m3", 8, 2), ("fp8_e4m3", 20, 1),
+                                            ("fp8_e4m3", 128, 1), ("bfloat16", 16, 1), ("bfloat16", 128, 2)])
+def test_production_op_traces_without_constants(monkeypatch, dtype, heads, sq):
+  """The op a GPU runs (api.mla_decode, interpret=False: custom_partitioning, which refuses a traced call holding
+  array constants) traces for each kernel and plan auto picks, on a CPU that says it is an sm90 GPU. The interpret
+  tests run the same kernels unpartitioned, where a constant (e.g. register_dequant's row table) passes."""
+  monkeypatch.setattr(api, "_device_target", lambda device, cache_dtype, interpret: api.Target(
+      platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), cache_dtype=cache_dtype,
+      interpret=interpret))
+  q, cache, table, lens = random_problem(5, lens=[70, 0, 129], sq=sq, heads=heads, dtype=dtype)
+  traced = jax.jit(lambda q, c, t, n: api.mla_decode(q, c, t, n, softmax_scale=SCALE, backend="mosaic_sm90")).trace(
+      q, cache, table, lens)
+  assert "custom_partitioning" in str(traced.jaxpr)

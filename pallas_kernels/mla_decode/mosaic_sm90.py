@@ -14,14 +14,15 @@ half (warpgroup 0 adds the 64 RoPE dims), they swap partial scores through SMEM,
 (log2 domain, masked by select), and each accumulates its half of O^T in registers. With an fp8 cache each compute
 warpgroup first dequantizes its half of the page (e4m3 -> f16, times the power-of-two tile scale: exact in f16)
 into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is not available on this ptxas.
-With `producer_dequant` (the default from 16 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
+With `producer_dequant` (the default from 32 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
-as they read bf16 ones; `producers=2` (the default at 16 rows a CTA) adds a fourth warpgroup, and the two producers
-convert one latent half of each page each (`producers=4`, opt-in: six warpgroups, one column tile each). There
-(fp8 h16) the compute warpgroups also take alternate pages, each whole, instead of both taking every page's halves
-(`alternate`), and the producers load each page one page ahead (`lookahead`). With `register_dequant` (opt-in) no
-f16 page exists: one TMA producer streams the e4m3 pages and each compute warpgroup converts its page straight into
-the wgmma A registers of both products (sm90_fp8_operands.py), Q's latent dims and O's rows permuted to match.
+as they read bf16 ones; `producers=2` adds a fourth warpgroup, and the two producers convert one latent half of each
+page each (`producers=4`: six warpgroups, one column tile each). With two producers (fp8, 16 rows a CTA) the compute
+warpgroups also take alternate pages, each whole, instead of both taking every page's halves (`alternate`), and the
+producers load each page one page ahead (`lookahead`). With `register_dequant` (the default at 16 rows a CTA, fp8
+h16) no f16 page exists: one TMA producer streams the e4m3 pages and each compute warpgroup converts its page
+straight into the wgmma A registers of both products (sm90_fp8_operands.py), Q's latent dims and O's rows permuted
+to match, and the compute warpgroups run one traced copy of their code (`shared_loop`).
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)
@@ -180,6 +181,13 @@ check_register_split([REGISTER_DEQUANT_3_REGISTERS[0]] + [REGISTER_DEQUANT_3_REG
                      "mosaic_sm90 register_dequant with 3 compute warpgroups")
 ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
+# make_plan's fp8 plan at REGISTER_DEQUANT_ROWS rows a CTA (None: never by default): register_dequant, with its
+# compute warpgroups running one copy of their code (SHARED_LOOP, the default wherever register_dequant is on).
+# One H100, jax 0.11.2, 49f45c2, b128 L4096 page 64, CUPTI kernel µs against the converting producers' plan in the
+# same runs: 125.8-126.8 vs 126.6-127.3, ragged [1, 2L] 143.2 vs 144.4, b32 L16384 131.0 vs 130.1, every page
+# L2-resident (the on-chip bound) 94.4-94.8 vs 110.4-110.8
+REGISTER_DEQUANT_ROWS = 16
+SHARED_LOOP = True
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
@@ -241,17 +249,33 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
   per output element, which docs/architecture.md §3 admits only under a widened bound; the split keeps P at
   f32 grade and meets the plain bound, at one more MMA per P.V chunk. An fp8 cache computes P.V in f16 (2^-11).
-  producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA, with l2_prefetch
-  DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise defaults to off.
+  producer_dequant (fp8) defaults to on from PRODUCER_DEQUANT_MIN_ROWS rows per CTA where register_dequant is off,
+  with l2_prefetch DEFAULT_L2_PREFETCH_PAGES and, at TWO_PRODUCERS_ROWS rows, two producers; l2_prefetch otherwise
+  defaults to off.
   alternate and lookahead (None: on where the CTA has two producers, ALTERNATE / LOOKAHEAD) need producer_dequant;
   alternate also at most 16 rows a CTA and 2 ring slots (register_dequant: 4 by default, REGISTER_DEQUANT_STAGES).
   producer_registers / compute_registers (producer_dequant; None: producer_dequant_registers') set the register
   split, checked against what the CTA launches with.
-  register_dequant (fp8, at most 16 rows a CTA; opt-in): alternate pages with no f16 page (Plan.register_dequant);
+  register_dequant (fp8, at most 16 rows a CTA): alternate pages with no f16 page (Plan.register_dequant; None: on
+  at REGISTER_DEQUANT_ROWS rows a CTA unless num_stages or an option of the converting producers' plan is given);
   it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
-  compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; opt-in) needs alternate.
+  compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; None: SHARED_LOOP with
+  register_dequant, else off) needs alternate.
   """
+  max_n = rows_per_cta or MAX_ROWS_PER_CTA
+  if max_n % 8 or not 8 <= max_n <= 32:
+    raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
+  groups = -(-rows // max_n)
+  n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
+  if register_dequant is None:
+    # auto: on where it is the default (fp8, REGISTER_DEQUANT_ROWS rows a CTA) unless an option of the converting
+    # producers' plan asks for that plan
+    producer_options = (producer_dequant, producers, lookahead, alternate, producer_registers, compute_registers)
+    register_dequant = (fp8 and n == REGISTER_DEQUANT_ROWS and num_stages is None
+                        and all(o is None for o in producer_options))
   register_dequant = bool(register_dequant)
+  if shared_loop is None:
+    shared_loop = SHARED_LOOP and register_dequant
   loads_first = bool(loads_first)
   cw = 2 if compute_warpgroups is None else compute_warpgroups
   if cw not in (2, 3) or isinstance(cw, bool):
@@ -284,11 +308,6 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
     raise ValueError("split_p applies to a bf16 cache only (an fp8 cache already computes P.V in f16)")
   if producer_dequant and not fp8:
     raise ValueError("producer_dequant applies to an fp8 cache only (a bf16 page has nothing to convert)")
-  max_n = rows_per_cta or MAX_ROWS_PER_CTA
-  if max_n % 8 or not 8 <= max_n <= 32:
-    raise ValueError(f"rows_per_cta must be a multiple of 8 in [8, 32], got {max_n}")
-  groups = -(-rows // max_n)
-  n = max(8, 1 << (-(-rows // groups) - 1).bit_length())   # a power of two (the merge kernel's Triton blocks)
   if producer_dequant is None:
     producer_dequant = fp8 and n >= PRODUCER_DEQUANT_MIN_ROWS
   producer_dequant = bool(producer_dequant)
@@ -1191,7 +1210,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None: off). l2_prefetch: page pairs ahead the seesaw
   kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan; None: its default), or pages ahead for the swapped
   kernel with producer_dequant. producer_dequant: the swapped kernel with an fp8 cache has its producer warpgroup
-  convert each page into an f16 ring (Plan.producer_dequant; None: on from 16 rows per CTA, make_plan). producers: 2
+  convert each page into an f16 ring (Plan.producer_dequant; None: make_plan's default). producers: 2
   splits that conversion between two producer warpgroups, 4 between four, one column tile each (Plan.producers; None:
   2 at 16 rows per CTA with producer_dequant, else 1). direct_write: the seesaw kernel writes the output of each
   sequence one share holds whole itself, and the merge runs only for the others (mosaic_sm90_seesaw.Plan.direct_write;
@@ -1203,10 +1222,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   alternate pages (Plan.alternate; None: ALTERNATE where it applies). lookahead: its converting producers load the
   next page before converting this one (Plan.lookahead; None: LOOKAHEAD). register_dequant: the swapped kernel with an
   fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
-  None: off); loads_first: its shared-memory loads of a product issued before the first conversion
+  None: make_plan's default); loads_first: its shared-memory loads of a product issued before the first conversion
   (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
   pages in flight (Plan.compute_warpgroups; None: 2); shared_loop: the compute warpgroups of alternate pages run
-  one copy of their code (Plan.shared_loop; None: off).
+  one copy of their code (Plan.shared_loop; None: on with register_dequant).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1274,7 +1293,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
   # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order)
-  row_of_dim = jnp.asarray(fp8_ops.row_of_dim()) if plan.register_dequant else None
+  row_of_dim = fp8_ops.row_of_dim_iota() if plan.register_dequant else None
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), row_of_dim=row_of_dim)  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
@@ -304,6 +305,15 @@ def row_of_dim() -> np.ndarray:
   """int32 [512]: the row of the kernel's O^T that holds latent dim D (pv_rows' inverse; the merge kernel gathers
   its rows in dim order with it)."""
   return np.argsort(pv_rows()).astype(np.int32)
+
+
+def row_of_dim_iota() -> jax.Array:
+  """row_of_dim() computed from an iota inside the trace: pv_rows' digits (half, b, w, h, g) read back out of
+  D = 256 half + 64 w + 8 g + 2 b + h. A traced value, not an array constant, so it may be used where the call is
+  traced with no constants (the api's custom_partitioning)."""
+  d = jax.lax.iota(jnp.int32, LATENT_DIM)
+  half, w, g, b, h = d // HALF, d % HALF // 64, d % 64 // 8, d % 8 // 2, d % 2
+  return half * HALF + b * BLOCK + w * 16 + h * 8 + g
 
 
 def qk_operands_jnp(tile_f8, scales):

@@ -408,9 +408,9 @@ def test_rows_kernel_schedule_matches_its_shares():
 
 def test_plan_defaults():
   """The measured defaults: the fp8 seesaw prefetches 1 page pair into L2 (not with crossover, not for bf16); the
-  swapped kernel's producer converts fp8 pages from 16 rows per CTA (h16, h20, h32, h16 Sq 2), with 2 pages
-  prefetched, split between two producers at 16 rows when an option of that plan is given; otherwise 16 rows a CTA
-  (h16, h8 Sq 2, h9) take register_dequant with one shared copy of the compute code."""
+  swapped kernel's producer converts fp8 pages from 32 rows per CTA (h20, h32, h16 Sq 2), with 2 pages prefetched;
+  16 rows a CTA (h16, h8 Sq 2, h9) take register_dequant with one shared copy of the compute code, or, when an option
+  of the producers' plan is given, that plan with two producers."""
   seesaw = ms.mosaic_sm90_seesaw
   assert seesaw.make_plan(128, num_sms=132, fp8=True).l2_prefetch == seesaw.DEFAULT_L2_PREFETCH == 1
   assert seesaw.make_plan(128, num_sms=132, fp8=False).l2_prefetch == 0

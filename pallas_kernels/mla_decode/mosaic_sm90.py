@@ -183,9 +183,9 @@ ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
 # make_plan's fp8 plan at REGISTER_DEQUANT_ROWS rows a CTA (None: never by default): register_dequant, with its
 # compute warpgroups running one copy of their code (SHARED_LOOP, the default wherever register_dequant is on).
-# One H100, jax 0.11.2, 49f45c2, b128 L4096 page 64, CUPTI kernel µs against the converting producers' plan in the
-# same runs: 125.8-126.8 vs 126.6-127.3, ragged [1, 2L] 143.2 vs 144.4, b32 L16384 131.0 vs 130.1, every page
-# L2-resident (the on-chip bound) 94.4-94.8 vs 110.4-110.8
+# One H100, jax 0.11.2, 49f45c2, fp8 h16 b128 L4096 page 64, CUPTI kernel µs against the converting producers' plan
+# in the same runs (three): 125.8-126.9 vs 126.3-127.3, ragged [1, 2L] 143.2 vs 144.4-144.5, b32 L16384 129.3-131.0
+# vs 130.1-130.4, every page L2-resident (the on-chip bound) 93.8-94.8 vs 110.4-110.8 (NOTES.md)
 REGISTER_DEQUANT_ROWS = 16
 SHARED_LOOP = True
 

@@ -4,7 +4,8 @@
       -o /tmp/rows_fp8 python scripts/ncu_mla.py --variant "fp8_e4m3 h128 rows"
 
 The first call compiles and warms up; skip it with --launch-skip. Prints the variant's problem and nothing else:
-the profiler's report is the output.
+the profiler's report is the output. "l2 resident" variants read their pages from one L2-sized pool, as in
+check_mla_gpu.py (l2_resident_table): their profile is the kernel's on-chip bound.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_mla_gpu import SCALE, timing_variants  # noqa: E402  (a sibling script, not a package)
+from check_mla_gpu import SCALE, l2_resident_table, timing_variants  # noqa: E402  (a sibling script, not a package)
 
 from pallas_kernels.mla_decode import mosaic_sm90  # noqa: E402
 from pallas_kernels.testing import random_problem  # noqa: E402
@@ -36,6 +37,10 @@ def main():
   rng = np.random.default_rng(7)
   lens = (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
   q, cache, table, lens_a = random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
+  kw = dict(kw)
+  pool = kw.pop("l2_pool_pages", None)
+  if pool:
+    table = l2_resident_table(table, lens, pool)
   fn = jax.jit(lambda q, c, t, l: mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=False, **kw))
   print(f"{name}: dtype {dtype} heads {heads} sq {sq} batch {batch} L {length} ragged {ragged} kwargs {kw}")
   for _ in range(args.calls):

@@ -459,6 +459,10 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} producers", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", producer_dequant=True, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
+      # Sq 2 (32 rows) as two head groups of 16 rows a CTA, which take the default at 16 rows (register_dequant with
+      # shared_loop): half the compute a CTA, each page read by both groups' CTAs (against "fp8_e4m3 h16 sq2")
+      ("fp8_e4m3 h16 sq2 rows_per_cta 16", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", rows_per_cta=16)),
   ]
 
 

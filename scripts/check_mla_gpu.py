@@ -482,6 +482,20 @@ def l2_resident_table(table, lens, pool: int):
   return jnp.asarray(out)
 
 
+def variant_lens(batch: int, length: int, ragged: bool) -> list[int]:
+  """A timing variant's sequence lengths: all `length`, or (ragged) uniform in [1, 2 length], the same every run."""
+  rng = np.random.default_rng(7)
+  return (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
+
+
+def variant_table(kw: dict, table, lens):
+  """(the variant's mosaic_sm90 keyword arguments without l2_pool_pages, the block table it runs with: the
+  problem's, or l2_resident_table's where l2_pool_pages asks for one)."""
+  kw = dict(kw)
+  pool = kw.pop("l2_pool_pages", None)
+  return kw, (l2_resident_table(table, lens, pool) if pool else table)
+
+
 def hang_watchdog(seconds: float, on_hang):
   """Starts a daemon timer that calls on_hang() and ends the process (exit status 3) unless cancelled within
   `seconds`. A kernel that deadlocks on the GPU (e.g. a setmaxnreg increase the CTA's registers cannot cover) blocks
@@ -510,17 +524,13 @@ def run_timing(iters: int, only: str | None, dump=lambda copy, rows: None, varia
   for name, dtype, heads, sq, batch, length, ragged, backend, kw in timing_variants():
     if only and name not in only.split(","):
       continue
-    rng = np.random.default_rng(7)
-    lens = (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
+    lens = variant_lens(batch, length, ragged)
     key = (dtype, heads, sq, batch, length, ragged)
     if key not in problems:
       problems.clear()
       problems[key] = random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
     q, cache, table, lens_a = problems[key]
-    kw = dict(kw)
-    pool = kw.pop("l2_pool_pages", None)
-    if pool:
-      table = l2_resident_table(table, lens, pool)
+    kw, table = variant_table(kw, table, lens)
     if backend == "mosaic_sm90":
       fn = jax.jit(lambda q, c, t, l, kw=kw: mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE,
                                                                      causal=False, **kw))

@@ -14,10 +14,9 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_mla_gpu import SCALE, l2_resident_table, timing_variants  # noqa: E402  (a sibling script, not a package)
+from check_mla_gpu import SCALE, timing_variants, variant_lens, variant_table  # noqa: E402  (a sibling script)
 
 from pallas_kernels.mla_decode import mosaic_sm90  # noqa: E402
 from pallas_kernels.testing import random_problem  # noqa: E402
@@ -34,13 +33,9 @@ def main():
   name, dtype, heads, sq, batch, length, ragged, backend, kw = found[0]
   if backend != "mosaic_sm90":
     sys.exit(f"{name!r} does not run mosaic_sm90")
-  rng = np.random.default_rng(7)
-  lens = (rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)).tolist()
+  lens = variant_lens(batch, length, ragged)
   q, cache, table, lens_a = random_problem(11, lens=lens, sq=sq, heads=heads, dtype=dtype, extra_pages=8)
-  kw = dict(kw)
-  pool = kw.pop("l2_pool_pages", None)
-  if pool:
-    table = l2_resident_table(table, lens, pool)
+  kw, table = variant_table(kw, table, lens)
   fn = jax.jit(lambda q, c, t, l: mosaic_sm90.mla_decode(q, c, t, l, softmax_scale=SCALE, causal=False, **kw))
   print(f"{name}: dtype {dtype} heads {heads} sq {sq} batch {batch} L {length} ragged {ragged} kwargs {kw}")
   for _ in range(args.calls):

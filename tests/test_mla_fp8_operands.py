@@ -33,8 +33,8 @@ def test_permutations_are_bijections_and_match_the_reshapes():
   assert sorted(ops.qk_dims()) == list(range(512)) and sorted(ops.pv_rows()) == list(range(512))
   x = np.arange(512.0)
   np.testing.assert_array_equal(np.asarray(ops.q_in_qk_order(jnp.asarray(x))), ops.qk_dims())
-  np.testing.assert_array_equal(ops.pv_rows()[ops.row_of_dim()], x)
-  np.testing.assert_array_equal(np.asarray(ops.row_of_dim_iota()), ops.row_of_dim())
+  np.testing.assert_array_equal(ops.pv_rows()[np.asarray(ops.row_of_dim())], x)
+  np.testing.assert_array_equal(np.asarray(ops.row_of_dim()), np.argsort(ops.pv_rows()))
   # QK: a thread's 16 loaded bytes of a chunk are its four k-steps; P.V: 8 bytes of a half are its rows of 4 blocks
   k = ops.qk_dims()[:64]
   assert list(k[[2, 3, 10, 11]]) == [16, 17, 18, 19]          # lane c = 1, k-step 0 -> bytes 16 .. 19

@@ -554,7 +554,7 @@ def test_merge_kernel_row_of_dim_gathers_rows_in_dim_order():
   payload = ms.share_pages(cu, parts).reshape(1)
   kw = dict(batch=len(pages), groups=groups, out_dtype=jnp.float32, interpret=True)
   want = ms.merge_partials(jnp.asarray(o_dims), jnp.asarray(lse2), cu, payload, **kw)
-  for row_of_dim in (ms.fp8_ops.row_of_dim(), rng.permutation(512).astype(np.int32)):
+  for row_of_dim in (np.asarray(ms.fp8_ops.row_of_dim()), rng.permutation(512).astype(np.int32)):
     o_rows = np.empty_like(o_dims)
     o_rows[:, row_of_dim] = o_dims                      # row row_of_dim[d] holds dim d
     got = ms.merge_partials(jnp.asarray(o_rows), jnp.asarray(lse2), cu, payload,

@@ -112,9 +112,9 @@ class Plan:
   # compute warpgroups (warpgroups 0 .. this - 1; the producers follow). register_dequant may take 3: three pages in
   # flight, one a warpgroup (ring slot = warpgroup), at 160 registers a compute thread instead of 232
   compute_warpgroups: int = 2
-  # alternate (opt-in): one traced copy of the compute warpgroups' code for all of them (the warpgroup index at run
-  # time), their cross-warp reductions each in a scratch region of the kernel's own: the instruction cache holds one
-  # page loop instead of one a warpgroup
+  # alternate (make_plan: on with register_dequant): one traced copy of the compute warpgroups' code for all of them
+  # (the warpgroup index at run time), their cross-warp reductions each in a scratch region of the kernel's own: the
+  # instruction cache holds one page loop instead of one a warpgroup
   shared_loop: bool = False
 
   @property
@@ -1025,12 +1025,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
     pl.when(wg == cw)(producer)
     for k in range(1, producers):
       pl.when(wg == cw + k)(functools.partial(produce_converted_pages, *converted_share(k)))
-    if plan.alternate:
-      if not plan.shared_loop:
-        pl.when(wg == 0)(functools.partial(compute_alternate, 0))
-    else:
+    if not plan.alternate:
       for w in range(2):
         pl.when(wg == w)(functools.partial(compute, w))
+    elif not plan.shared_loop:
+      pl.when(wg == 0)(functools.partial(compute_alternate, 0))
 
   out_type = (jax.ShapeDtypeStruct((entries * g_count, LATENT_DIM, n), jnp.float32),
               jax.ShapeDtypeStruct((entries * g_count, n), jnp.float32))
@@ -1293,7 +1292,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
   # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order)
-  row_of_dim = fp8_ops.row_of_dim_iota() if plan.register_dequant else None
+  row_of_dim = fp8_ops.row_of_dim() if plan.register_dequant else None
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), row_of_dim=row_of_dim)  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)

@@ -301,15 +301,10 @@ def q_in_qk_order(q):
   return jnp.moveaxis(x, -4, -2).reshape(*lead, LATENT_DIM)         # chunk, j, eh, c, el
 
 
-def row_of_dim() -> np.ndarray:
+def row_of_dim() -> jax.Array:
   """int32 [512]: the row of the kernel's O^T that holds latent dim D (pv_rows' inverse; the merge kernel gathers
-  its rows in dim order with it)."""
-  return np.argsort(pv_rows()).astype(np.int32)
-
-
-def row_of_dim_iota() -> jax.Array:
-  """row_of_dim() computed from an iota inside the trace: pv_rows' digits (half, b, w, h, g) read back out of
-  D = 256 half + 64 w + 8 g + 2 b + h. A traced value, not an array constant, so it may be used where the call is
+  its rows in dim order with it): pv_rows' digits (half, b, w, h, g) read back out of D = 256 half + 64 w + 8 g +
+  2 b + h, from an iota. A traced value inside a trace, not an array constant, so it may be used where the call is
   traced with no constants (the api's custom_partitioning)."""
   d = jax.lax.iota(jnp.int32, LATENT_DIM)
   half, w, g, b, h = d // HALF, d % HALF // 64, d % 64 // 8, d % 8 // 2, d % 2

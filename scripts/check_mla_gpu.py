@@ -463,12 +463,12 @@ def timing_variants():
       # shared_loop): half the compute a CTA, each page read by both groups' CTAs (against "fp8_e4m3 h16 sq2")
       ("fp8_e4m3 h16 sq2 rows_per_cta 16", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", rows_per_cta=16)),
-      # register_dequant's QK on e4m3 wgmma (qk_fp8): only P.V converts the page into registers
-      *((f"fp8_e4m3 h16{label} qk_fp8", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
-         dict(kernel="swapped", register_dequant=True, qk_fp8=True, **kw))
+      # register_dequant's QK scales applied to S, one accumulator a 128-dim scale tile (scale_on_s)
+      *((f"fp8_e4m3 h16{label} scale on s", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, scale_on_s=True, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
-      ("fp8_e4m3 h16 sq2 rows_per_cta 16 qk_fp8", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="swapped", rows_per_cta=16, qk_fp8=True)),
+      ("fp8_e4m3 h16 sq2 rows_per_cta 16 scale on s", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
+       dict(kernel="swapped", rows_per_cta=16, scale_on_s=True)),
   ]
 
 

@@ -82,8 +82,6 @@ def compile_case(case: dict) -> None:
       n = plan.n
       q_args = ((s((batch * plan.groups, n, 512), jnp.float16), s((batch * plan.groups, n, 64), jnp.bfloat16))
                 if fp8 else (s((batch * plan.groups, n, 576), jnp.bfloat16),) * 2)
-      if plan.qk_fp8:      # Q's two e4m3 parts; its column factors follow the tables
-        q_args = (s((batch * plan.groups, 2, n, 512), jnp.float8_e4m3fn), q_args[1])
     else:
       module = mosaic_sm90.ROWS_KERNELS[case["kernel"]]
       plan = module.make_plan(sq * heads, num_sms=132, fp8=fp8, **case.get("plan", {}))
@@ -98,8 +96,6 @@ def compile_case(case: dict) -> None:
     args = (*q_args, *cache,
             s((batch, 64), jnp.int32), s((batch,), jnp.int32), s((batch + 1,), jnp.int32),
             s((4, 1 << (plan.num_parts - 1).bit_length()), jnp.int32))
-    if case["kernel"] == "swapped" and plan.qk_fp8:
-      args += (s((batch * plan.groups, n), jnp.float32),)
   else:
     from pallas_kernels.w4a16 import api, layout, mosaic_sm90 as ms, routing
 

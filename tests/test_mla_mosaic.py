@@ -1201,6 +1201,9 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     # one copy of the compute warpgroups' code (two and three of them)
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True)),
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, compute_warpgroups=3)),
+    # QK's scales applied to S (one accumulator a scale tile): shared loop, and Sq 2 causal with three warpgroups
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, scale_on_s=True)),
+    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, compute_warpgroups=3, scale_on_s=True)),
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
@@ -1242,6 +1245,11 @@ def test_swapped_register_dequant_plan():
                               + ms._reduction_scratch_bytes(16)) <= ms.SMEM_LIMIT
   assert ms.make_plan(16, True, producer_dequant=True).num_warpgroups == 4   # 2 compute, 2 producers
   assert ms.make_plan(16, True, compute_warpgroups=3) == three           # register_dequant by default at 16 rows
+  # scale_on_s: off by default (SCALE_ON_S), only with register_dequant
+  assert ms.make_plan(16, True).scale_on_s == ms.SCALE_ON_S
+  assert ms.make_plan(16, True, scale_on_s=True).scale_on_s
+  with pytest.raises(ValueError, match="scale_on_s"):
+    ms.make_plan(16, True, producer_dequant=True, scale_on_s=True)
   with pytest.raises(ValueError, match="need register_dequant"):
     ms.make_plan(16, True, register_dequant=False, compute_warpgroups=3)
   with pytest.raises(ValueError, match="compute_warpgroups must be 2 or 3"):

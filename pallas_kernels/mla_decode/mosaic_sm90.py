@@ -116,15 +116,15 @@ class Plan:
   # (the warpgroup index at run time), their cross-warp reductions each in a scratch region of the kernel's own: the
   # instruction cache holds one page loop instead of one a warpgroup
   shared_loop: bool = False
-  # register_dequant (opt-in): QK on e4m3 wgmma straight from the TMA'd page, Q's latent rows split into two e4m3
-  # parts (sm90_fp8_operands.q_e4m3_parts), one accumulator per 128-dim scale tile and the scales applied to S; only
-  # P.V converts the page into A registers
-  qk_fp8: bool = False
+  # register_dequant (make_plan: SCALE_ON_S): QK's A operands are the unscaled e4m3 values (exact in f16), each
+  # 128-dim scale tile into an accumulator of its own, and S = rope + sum_t scale[:, t] acc_t in f32: one FMA an
+  # S element a tile instead of one f16 multiply a converted pair
+  scale_on_s: bool = False
 
   @property
   def smem_bytes(self) -> int:
     return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate,
-                       self.register_dequant, self.compute_warpgroups, self.qk_fp8)
+                       self.register_dequant, self.compute_warpgroups)
 
   @property
   def num_warpgroups(self) -> int:
@@ -192,14 +192,12 @@ LOOKAHEAD = True
 # vs 130.1-130.4, every page L2-resident (the on-chip bound) 93.8-94.8 vs 110.4-110.8 (NOTES.md)
 REGISTER_DEQUANT_ROWS = 16
 SHARED_LOOP = True
-# register_dequant's QK on e4m3 wgmma (Plan.qk_fp8) by default
-QK_FP8 = False
+# register_dequant's QK scales applied to S (Plan.scale_on_s) by default
+SCALE_ON_S = False
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
-                alternate: bool = False, register_dequant: bool = False, compute_warpgroups: int = 2,
-                qk_fp8: bool = False) -> int:
-  # Q (f16 / bf16 latent, or qk_fp8's two e4m3 parts) and its rope
+                alternate: bool = False, register_dequant: bool = False, compute_warpgroups: int = 2) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8 and not producer_dequant:
     # the e4m3 ring; the f16 page the compute warpgroups convert into (none with register_dequant)
@@ -252,7 +250,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               producer_registers: int | None = None, compute_registers: int | None = None,
               register_dequant: bool | None = None, loads_first: bool | None = None,
               compute_warpgroups: int | None = None, shared_loop: bool | None = None,
-              qk_fp8: bool | None = None) -> Plan:
+              scale_on_s: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -269,8 +267,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   at REGISTER_DEQUANT_ROWS rows a CTA unless num_stages or an option of the converting producers' plan is given);
   it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
   compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; None: SHARED_LOOP with
-  register_dequant, else off) needs alternate. qk_fp8 (Plan.qk_fp8; None: QK_FP8 with register_dequant) needs
-  register_dequant.
+  register_dequant, else off) needs alternate. scale_on_s (Plan.scale_on_s; None: SCALE_ON_S with register_dequant)
+  needs register_dequant.
   """
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
@@ -293,12 +291,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if cw == 3 and not register_dequant:
     raise ValueError("mosaic_sm90: three compute warpgroups (three pages in flight) need register_dequant: the "
                      "f16 ring of the other plans has no room for a third slot; pass register_dequant=True")
-  qk_fp8 = (QK_FP8 and register_dequant) if qk_fp8 is None else bool(qk_fp8)
-  if qk_fp8 and not register_dequant:
-    raise ValueError("mosaic_sm90: qk_fp8 runs register_dequant's QK on e4m3 wgmma; pass register_dequant=True")
-  if qk_fp8 and loads_first:
-    raise ValueError("mosaic_sm90: loads_first orders register_dequant's QK conversion loads, which qk_fp8 has none "
-                     "of")
+  scale_on_s = (SCALE_ON_S and register_dequant) if scale_on_s is None else bool(scale_on_s)
+  if scale_on_s and not register_dequant:
+    raise ValueError("mosaic_sm90: scale_on_s applies register_dequant's QK scales to S; pass register_dequant=True")
   if loads_first and not register_dequant:
     raise ValueError("mosaic_sm90: loads_first orders register_dequant's shared-memory loads; pass "
                      "register_dequant=True")
@@ -363,12 +358,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate,
-                                    register_dequant, cw, qk_fp8) <= SMEM_LIMIT
+                                    register_dequant, cw) <= SMEM_LIMIT
   if num_stages is None:
     num_stages = cw if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
-    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant, cw,
-                       qk_fp8)
+    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant, cw)
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need {need} bytes of SMEM, over "
                      f"{SMEM_LIMIT}")
   register_split = None
@@ -382,7 +376,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
               register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw,
-              shared_loop=bool(shared_loop), qk_fp8=qk_fp8)
+              shared_loop=bool(shared_loop), scale_on_s=scale_on_s)
   if plan.shared_loop and not plan.alternate:
     raise ValueError("mosaic_sm90: shared_loop runs the compute warpgroups of alternate pages from one copy of "
                      "their code; it needs alternate (producer_dequant at 16 rows a CTA, or register_dequant)")
@@ -477,7 +471,6 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
   rd = plan.register_dequant                      # the compute warpgroups convert into registers: no kbuf
-  qk8 = plan.qk_fp8                               # ... for P.V only: QK on e4m3 wgmma
   producers = plan.producers
   cw = plan.compute_warpgroups                    # compute warpgroups 0 .. cw - 1; producers cw, cw + 1, ..
   entries = parts + batch
@@ -487,9 +480,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
   # SMEM scratch, by name (the kernel receives them in this order after the operands)
   scratch = dict(
-      # Q latent, by half (qk_fp8: its two e4m3 parts, whole)
-      qn_smem=(plgpu.SMEM((2, n, LATENT_DIM), jnp.float8_e4m3fn, transforms=_SWZ8) if qk8 else
-               plgpu.SMEM((2, n, HALF), dt, transforms=SWZ16)),
+      qn_smem=plgpu.SMEM((2, n, HALF), dt, transforms=SWZ16),                     # Q latent, by half
       qr_smem=plgpu.SMEM((n, ROPE_DIM), jnp.bfloat16, transforms=SWZ16))          # Q rope
   if fp8 and not pd:
     scratch.update(
@@ -531,16 +522,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         xbar=plgpu.Barrier(num_arrivals=2),                                        # scores written
         xread=plgpu.Barrier(num_arrivals=2),                                       # scores read
         lsync=plgpu.Barrier(num_arrivals=2))                                       # see the final row sums
-  scratch.update(qbar=plgpu.Barrier(num_arrivals=1, num_barriers=3))               # Q halves (parts) + rope landed
+  scratch.update(qbar=plgpu.Barrier(num_arrivals=1, num_barriers=3))               # Q halves + rope landed
   names = list(scratch)
 
   def body(*refs):
-    n_io = 12 if qk8 else 11 if fp8 else 10      # operands + the two outputs, then the scratch
-    qs_ref = None
-    if qk8:
-      qn_ref, qr_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, qs_ref, o_ref, lse_ref = \
-          refs[:12]
-    elif fp8:
+    n_io = 11 if fp8 else 10                     # operands + the two outputs, then the scratch
+    if fp8:
       qn_ref, qr_ref, lat_ref, rope_ref, sc_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:11]
     else:
       qn_ref, qr_ref, lat_ref, rope_ref, bt_ref, lens_ref, cu_ref, sched_ref, o_ref, lse_ref = refs[:10]
@@ -858,10 +845,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         return ring_lat[slot, t // 2, :, cols]
 
       def qk_operands(slot, t: int, raw):
-        """register_dequant: the two [64 tok, 64] f16 A operands of column tile t of the slot's page."""
+        """register_dequant: the two [64 tok, 64] f16 A operands of column tile t of the slot's page (scale_on_s:
+        unscaled)."""
         if on_gpu:
-          return fp8_ops.qk_operands_gpu(t)(raw, ring_sc.at[slot])
-        return fp8_ops.qk_operands_jnp(raw, ring_sc[slot][:, t])
+          return fp8_ops.qk_operands_gpu(t, not plan.scale_on_s)(raw, ring_sc.at[slot])
+        scales = jnp.ones((PAGE,), jnp.float32) if plan.scale_on_s else ring_sc[slot][:, t]
+        return fp8_ops.qk_operands_jnp(raw, scales)
 
       def pv_raw(slot, h: int):
         """register_dequant: latent half h of the slot's page, e4m3, as the P.V conversion reads it."""
@@ -898,18 +887,12 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             # warpgroup 1 is past the previous segment's Q (its hand-over came after its last page)
             plgpu.commit_smem()
             for h in range(2):
-              # (qk_fp8: Q's e4m3 part h, whole)
-              src = qn_ref.at[bg, h] if qk8 else qn_ref.at[bg, :, pl.ds(h * HALF, HALF)]
-              plgpu.copy_gmem_to_smem(src, qn_smem.at[h], qbar.at[h])
+              plgpu.copy_gmem_to_smem(qn_ref.at[bg, :, pl.ds(h * HALF, HALF)], qn_smem.at[h], qbar.at[h])
             plgpu.copy_gmem_to_smem(q_rope_of(qr_ref, bg), qr_smem, qbar.at[2])
 
           branch(w == 0, load_q)
           for h in range(3):
             plgpu.barrier_wait(qbar.at[h])
-          if qk8:
-            # S's column factors (Q's row scales times the softmax's), [64, n] like S, read from GMEM once a segment
-            col_scale = (fp8_ops.column_array_gpu(n)(qs_ref.at[bg]) if on_gpu else
-                         lax.broadcast_in_dim(qs_ref[bg], (PAGE, n), [1]))
           limit = (length - sq + 1 + q_index) if causal_rows else length
 
           def page(i, carry):
@@ -924,40 +907,31 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             # out of it into 72 registers that spill)
             z = lax.shift_right_logical(j, 31)
 
-            def qk(acc_ref):
+            def qk(acc_ref, *tile_accs):
+              # (scale_on_s: column tile t into tile_accs[t], the rope into acc_ref; else all into acc_ref)
+              acc_of = lambda t: tile_accs[t] if tile_accs else acc_ref
               raws = {t: qk_raw(slot, t) for t in range(4)} if rd and plan.loads_first else {}
               for h in range(2):
                 if rd:
                   for t in (2 * h, 2 * h + 1):   # column tile t of the page: its two chunks (Q permuted to match)
                     raw = raws[t] if t in raws else qk_raw(slot, t)
                     for cc, a in zip((2 * t, 2 * t + 1), qk_operands(slot, t, raw)):
-                      wgmma_a(acc_ref, a, qn_smem.at[h + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)].T)
+                      wgmma_a(acc_of(t), a, qn_smem.at[h + z, :, pl.ds((cc % 4) * CHUNK, CHUNK)].T)
                   continue
                 for cc in chunks:
                   plgpu.wgmma(acc_ref, ring_lat.at[slot, h, :, pl.ds(cc * CHUNK, CHUNK)],
                               qn_smem.at[h + z, :, pl.ds(cc * CHUNK, CHUNK)].T)
               plgpu.wgmma(acc_ref, ring_rope.at[slot], qr_smem.T)
               plgpu.wgmma_wait(0)
-              return acc_ref[...]
+              return (acc_ref[...], *(a[...] for a in tile_accs)) if tile_accs else acc_ref[...]
 
-            def qk_e4m3(*accs):
-              # qk_fp8: one accumulator a 128-dim scale tile t (both Q parts into it), the rope's apart
-              for t in range(4):
-                lat = ring_lat.at[slot, t // 2, :, pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
-                for p in range(2):
-                  plgpu.wgmma(accs[t], lat, qn_smem.at[p + z, :, pl.ds(t * FP8_TILE, FP8_TILE)].T)
-              plgpu.wgmma(accs[4], ring_rope.at[slot], qr_smem.T)
-              plgpu.wgmma_wait(0)
-              return tuple(a[...] for a in accs)
-
-            if qk8:
-              accs = pl.run_scoped(qk_e4m3, *[plgpu.ACC((PAGE, n), jnp.float32)] * 5)
+            if plan.scale_on_s:
+              rope_s, *tiles = pl.run_scoped(qk, *[plgpu.ACC((PAGE, n), jnp.float32)] * 5)
               scales = (fp8_ops.tile_scales_gpu(n)(ring_sc.at[slot]) if on_gpu else
                         [lax.broadcast_in_dim(ring_sc[slot][:, t], (PAGE, n), [0]) for t in range(4)])
-              tiles = accs[0] * scales[0]
-              for t in range(1, 4):
-                tiles = tiles + accs[t] * scales[t]
-              s = tiles * col_scale + accs[4] * scale_log2
+              for t in range(4):
+                rope_s = rope_s + tiles[t] * scales[t]
+              s = rope_s * scale_log2
             else:
               s = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32)) * scale_log2
             s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
@@ -1240,7 +1214,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                lookahead: bool | None = None, register_dequant: bool | None = None,
                loads_first: bool | None = None, compute_warpgroups: int | None = None,
-               shared_loop: bool | None = None, qk_fp8: bool | None = None,
+               shared_loop: bool | None = None, scale_on_s: bool | None = None,
                q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
@@ -1274,8 +1248,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   None: make_plan's default); loads_first: its shared-memory loads of a product issued before the first conversion
   (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
   pages in flight (Plan.compute_warpgroups; None: 2); shared_loop: the compute warpgroups of alternate pages run
-  one copy of their code (Plan.shared_loop; None: on with register_dequant); qk_fp8: register_dequant's QK on e4m3
-  wgmma with Q split into two e4m3 parts (Plan.qk_fp8; None: QK_FP8).
+  one copy of their code (Plan.shared_loop; None: on with register_dequant); scale_on_s: register_dequant's QK
+  scales applied to S, one accumulator a scale tile (Plan.scale_on_s; None: SCALE_ON_S).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1290,10 +1264,11 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
         or lookahead is not None or register_dequant is not None or loads_first is not None
-        or compute_warpgroups is not None or shared_loop is not None or qk_fp8 is not None):
+        or compute_warpgroups is not None or shared_loop is not None or scale_on_s is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
                        "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups / "
-                       "shared_loop / qk_fp8 (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
+                       "shared_loop / scale_on_s (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
+                       "kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
@@ -1311,10 +1286,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None or register_dequant is not None
                              or loads_first is not None or compute_warpgroups is not None
-                             or shared_loop is not None or qk_fp8 is not None):
+                             or shared_loop is not None or scale_on_s is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate, lookahead), to the swapped kernel, as does register_dequant (and "
-                     "loads_first, compute_warpgroups, shared_loop, qk_fp8) (kernel='seesaw' or 'swapped')")
+                     "loads_first, compute_warpgroups, shared_loop, scale_on_s) (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1328,7 +1303,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
                    loads_first=loads_first, compute_warpgroups=compute_warpgroups, shared_loop=shared_loop,
-                   qk_fp8=qk_fp8, **(registers or {}))
+                   scale_on_s=scale_on_s, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,
@@ -1336,18 +1311,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   # the kernel's TMA reads Q's latent (f16 for an fp8 cache, else q itself) and the last 64 (rope) columns of the
   # second array straight from these
   q_nope, q_rope = (fp8_q_operands if fp8 else q_operands)(q, q_rope, plan.n, plan.groups)
-  q_scale = ()
-  if plan.qk_fp8:
-    # Q's latent rows as two e4m3 parts [B*G, 2, N, 512] and their column factors [B*G, N] (from bf16, not f16)
-    q_nope, q_col = fp8_ops.q_e4m3_parts(_as_rows(q[..., :LATENT_DIM], plan.n, plan.groups),
-                                         float(softmax_scale) * LOG2E)
-    q_scale = (q_col,)
-  elif plan.register_dequant:
+  if plan.register_dequant:
     q_nope = fp8_ops.q_in_qk_order(q_nope)          # the dims in the order of the kernel's QK A operands
   call = _build_call(plan, batch=batch, sq=sq, heads=heads, causal=causal, softmax_scale=softmax_scale,
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
-  o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched, *q_scale)
+  o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
   # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order)
   row_of_dim = fp8_ops.row_of_dim() if plan.register_dequant else None
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,

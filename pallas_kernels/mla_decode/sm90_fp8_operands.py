@@ -29,7 +29,6 @@ import functools
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
@@ -168,9 +167,12 @@ def _f16x2_of_f32(s, s2=None):
 
 
 def _cvt_scaled(word, half: int, scale2):
-  """f16x2 of the e4m3 pair in 16-bit half `half` of word, times scale2 (f16x2)."""
+  """f16x2 of the e4m3 pair in 16-bit half `half` of word, times scale2 (f16x2; None: unscaled)."""
   i32 = ir.IntegerType.get_signless(32)
   pick = "l" if half == 0 else "h"
+  if scale2 is None:
+    return llvm.inline_asm(
+        i32, [word], f"{{\n.reg .b16 l, h;\nmov.b32 {{l, h}}, $1;\ncvt.rn.f16x2.e4m3x2 $0, {pick};\n}}", "=r,r")
   return llvm.inline_asm(
       i32, [word, scale2],
       "{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, $1;\n"
@@ -210,9 +212,10 @@ _A_TYPE = plgpu.ShapeDtypeStruct((PAGE, CHUNK), jnp.float16, layout=plgpu.Layout
 
 
 @functools.lru_cache(maxsize=None)
-def qk_operands_gpu(tile: int):
+def qk_operands_gpu(tile: int, scaled: bool = True):
   """(e4m3 [64, 128] column tile `tile` of the page in QK_TILE_LAYOUT, the slot's scales [64, 4] f32) -> the two
-  [64, 64] f16 A operands of its chunks (logical columns in qk_dims order), times the rows' scales."""
+  [64, 64] f16 A operands of its chunks (logical columns in qk_dims order), times the rows' scales (scaled=False:
+  the e4m3 values alone, for a kernel that applies the scales to S)."""
   shape = mgpu.WGMMA_LAYOUT.registers_shape((PAGE, CHUNK))
   rmap = qk_register_map()
 
@@ -222,7 +225,7 @@ def qk_operands_gpu(tile: int):
     warp, lane = _thread()
     row0 = arith.addi(arith.muli(warp, arith.constant(i32, 16)), arith.divui(lane, arith.constant(i32, 4)))
     rows = (row0, arith.addi(row0, arith.constant(i32, 8)))
-    scales = [_f16x2_of_f32(_scale_at(sc_ref, r, tile)) for r in rows]
+    scales = [_f16x2_of_f32(_scale_at(sc_ref, r, tile)) for r in rows] if scaled else [None, None]
     words = {}
     out = []
     for q in range(FP8_TILE // CHUNK):
@@ -294,52 +297,7 @@ def pv_instructions() -> dict:
   return out
 
 
-# ---- qk_fp8: QK on e4m3 wgmma, the page's bytes read where the TMA put them ----------------------------------
-# S^T [64 tok, N] = K_e4m3 [64 tok, 512] . (Q_hi + Q_lo)^T, one [64, N] f32 accumulator per 128-dim scale tile t;
-# then S = sum_t scale[tok, t] acc_t scaled per column by Q's row scale. Q's latent row, times a power of two that
-# brings its largest |q| into (128, 256], is split as hi = e4m3(x), lo = e4m3(x - hi): a bf16 value has 8
-# significant bits and each part 4, so hi + lo = x exactly wherever lo is a normal e4m3 or a multiple of its
-# subnormal step 2^-9 (every element of at least 1/4 in scaled units: 2^-10 of the row's max); below that the
-# error is at most 2^-10 in scaled units, under 2^-17 of the row's max.
-Q_PARTS = 2
-
-
-def _pow2(e):
-  """2^e as f32 for int32 e in [-126, 127], from its bits (exact; no exp2 rounding)."""
-  return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
-
-
-def _e4m3(x):
-  """f32 x with |x| < 448 -> (x rounded to e4m3 (to nearest, ties to even) as f32, the same as float8_e4m3fn),
-  in integer ops: XLA's float -> float8 conversion is a slow software routine on the GPU (~6 µs for a b128 h16
-  Q), these fuse into one memory-bound pass. Normal e4m3 (|x| >= 2^-6): the f32 mantissa cut to 3 bits; below
-  that the grid is 2^-9."""
-  bits = lax.bitcast_convert_type(x, jnp.int32)
-  cut = (bits + 0x7FFFF + (lax.shift_right_logical(bits, 20) & 1)) & jnp.int32(-(1 << 20))
-  normal = jnp.abs(x) >= 2.0 ** -6
-  value = jnp.where(normal, lax.bitcast_convert_type(cut, jnp.float32), jnp.round(x * 512.0) * (1 / 512))
-  vbits = lax.bitcast_convert_type(value, jnp.int32)
-  sign = lax.shift_right_logical(vbits, 24) & 0x80
-  exp_man = (((lax.shift_right_logical(vbits, 23) & 0xFF) - 120) << 3) | (lax.shift_right_logical(vbits, 20) & 7)
-  byte = sign | jnp.where(jnp.abs(value) >= 2.0 ** -6, exp_man, (jnp.abs(value) * 512.0).astype(jnp.int32))
-  return value, lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
-
-
-def q_e4m3_parts(q_lat, scale_log2: float):
-  """q's latent rows [..., N, 512] (bf16 or f32 values) -> (e4m3 [..., 2, N, 512]: hi and lo of q * 2^e per row,
-  f32 [..., N]: 2^-e * scale_log2, what the kernel multiplies each column of sum_t scale_t acc_t by). A row of zeros
-  (padding) gets e = 0; rows are scaled in f32, exactly (e within f32's exponent range)."""
-  x = q_lat.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x), axis=-1)
-  field = lax.shift_right_logical(lax.bitcast_convert_type(amax, jnp.int32), 23) & 0xFF
-  # amax in [2^(field-127), 2^(field-126)): x * 2^e has its row max in [128, 256)
-  e = jnp.where((field > 0) & (field < 255), jnp.clip(134 - field, -120, 120), 0)
-  x = x * _pow2(e)[..., None]
-  hi, hi8 = _e4m3(x)
-  _, lo8 = _e4m3(x - hi)
-  return jnp.stack([hi8, lo8], axis=-3), jnp.float32(scale_log2) * _pow2(-e)
-
-
+# ---- scale_on_s: QK's tile scales applied to S (one accumulator a 128-dim scale tile) -------------------------
 @functools.lru_cache(maxsize=None)
 def acc_register_map(n: int) -> dict:
   """{register index of a [64, n] f32 WGMMA-layout array: (h, j)}: for lane (g, c) of warp w the register holds
@@ -384,34 +342,6 @@ def tile_scales_gpu(n: int):
         regs[idx] = splat[rmap[idx][0]]
       out.append(_acc_array(regs))
     return tuple(out)
-
-  return build
-
-
-@functools.lru_cache(maxsize=None)
-def column_array_gpu(n: int):
-  """(an [n] f32 ref, GMEM or SMEM) -> [64, n] f32 WGMMA array, element (r, c) = ref[c]."""
-  shape = mgpu.WGMMA_LAYOUT.registers_shape((PAGE, n))
-  rmap = acc_register_map(n)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=_acc_type(n))
-  def build(_ctx, ref):
-    i32 = ir.IntegerType.get_signless(32)
-    index = ir.IndexType.get()
-    vec2 = ir.VectorType.get((2,), ir.F32Type.get())
-    _, lane = _thread()
-    c2 = arith.muli(arith.remui(lane, arith.constant(i32, 4)), arith.constant(i32, 2))
-    pairs = {}
-    regs = np.empty(shape, dtype=object)
-    for idx in np.ndindex(*shape):
-      j = rmap[idx][1]
-      if j not in pairs:
-        col = arith.addi(c2, arith.constant(i32, 8 * j))
-        vals = [memref.load(ref, [arith.index_cast(index, arith.addi(col, arith.constant(i32, e)))])
-                for e in range(2)]
-        pairs[j] = vector.from_elements(vec2, vals)
-      regs[idx] = pairs[j]
-    return _acc_array(regs)
 
   return build
 

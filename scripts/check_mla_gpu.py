@@ -469,6 +469,12 @@ def timing_variants():
         for label, batch, length, ragged, kw in H16_SHAPES),
       ("fp8_e4m3 h16 sq2 rows_per_cta 16 scale on s", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", rows_per_cta=16, scale_on_s=True)),
+      # alternate pages rescaling O only where a column's max rose past the slack (lazy_rescale), alone and with
+      # scale_on_s
+      *((f"fp8_e4m3 h16{label} lazy rescale{name}", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, lazy_rescale=True, **extra, **kw))
+        for name, extra in (("", {}), (" scale on s", dict(scale_on_s=True)))
+        for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 
 

@@ -184,8 +184,12 @@ def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, st
 @pytest.mark.parametrize("kw", [dict(producer_dequant=True), dict(register_dequant=True),
                                 dict(register_dequant=True, compute_warpgroups=3),
                                 dict(register_dequant=True, scale_on_s=True),
-                                dict(register_dequant=True, scale_on_s=True, compute_warpgroups=3)],
-                         ids=["producers", "register_dequant", "rd_3_compute", "scale_on_s", "scale_on_s_3_compute"])
+                                dict(register_dequant=True, scale_on_s=True, compute_warpgroups=3),
+                                dict(register_dequant=True, lazy_rescale=True),
+                                dict(register_dequant=True, lazy_rescale=True, scale_on_s=True),
+                                dict(producer_dequant=True, lazy_rescale=True)],
+                         ids=["producers", "register_dequant", "rd_3_compute", "scale_on_s", "scale_on_s_3_compute",
+                              "lazy_rescale", "lazy_rescale_scale_on_s", "producers_lazy_rescale"])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
     (16, 1, False, LENS, None),
@@ -194,9 +198,13 @@ def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, st
 def test_swapped_shared_loop_vs_float64(kw, heads, sq, causal, lens, rows_per_cta):
   """shared_loop: the compute warpgroups of alternate pages run one traced copy of their code (the warpgroup index
   at run time), each reducing through its own SMEM region: the converting producers' plan and register_dequant (with
-  two compute warpgroups the default fp8 plan at 16 rows a CTA), also with QK's scales applied to S (scale_on_s)."""
+  two compute warpgroups the default fp8 plan at 16 rows a CTA), also with QK's scales applied to S (scale_on_s)
+  and O rescaled only where a column's max rose past the slack (lazy_rescale, with q times 8 so that pages past a
+  segment's first take both branches)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 41, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  if kw.get("lazy_rescale"):
+    q = (q.astype(jnp.float32) * 8).astype(jnp.bfloat16)
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped", shared_loop=True,
                               rows_per_cta=rows_per_cta, **kw), c, t, n))(q, cache, table, lens_a)

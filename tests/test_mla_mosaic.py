@@ -1215,6 +1215,23 @@ def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   assert res["ok"], res
 
 
+@pytest.mark.parametrize("heads,sq,lens,causal,parts,q_times,kw", [
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, 1, dict(shared_loop=True)),
+    # q times 8: scores spread over ~20 log2 units, so pages past a segment's first rise past the slack too
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, 8, dict(shared_loop=True)),
+    (16, 2, [1, 130, 64], True, 2, 8, dict(rows_per_cta=16, scale_on_s=True, compute_warpgroups=3)),
+])
+def test_swapped_lazy_rescale_interpret(heads, sq, lens, causal, parts, q_times, kw):
+  """lazy_rescale: O^T and the row sums rescaled only on pages where a column's max rose past RESCALE_SLACK (P
+  taken against a stale max up to 2^slack); against float64 on NaN-poisoned caches."""
+  q, cache, table, lens_a = random_problem(len(lens) + heads + 17, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
+  q = (q.astype(jnp.float32) * q_times).astype(jnp.bfloat16)
+  out, lse = run_kernel(q, cache, table, lens_a, causal, interpret=True, num_parts=parts, kernel="swapped",
+                        register_dequant=True, lazy_rescale=True, **kw)
+  res = compare(out, lse, *f64_reference(q, cache, table, lens_a, causal))
+  assert res["ok"], res
+
+
 def test_swapped_register_dequant_plan():
   plan = ms.make_plan(16, True, register_dequant=True)
   assert (plan.register_dequant, plan.alternate, plan.producer_dequant, plan.producers, plan.num_stages,
@@ -1250,6 +1267,12 @@ def test_swapped_register_dequant_plan():
   assert ms.make_plan(16, True, scale_on_s=True).scale_on_s
   with pytest.raises(ValueError, match="scale_on_s"):
     ms.make_plan(16, True, producer_dequant=True, scale_on_s=True)
+  # lazy_rescale: off by default (LAZY_RESCALE), only where the compute warpgroups take alternate pages
+  assert ms.make_plan(16, True).lazy_rescale == ms.LAZY_RESCALE
+  assert ms.make_plan(16, True, lazy_rescale=True).lazy_rescale
+  assert ms.make_plan(16, True, producer_dequant=True, lazy_rescale=True).lazy_rescale
+  with pytest.raises(ValueError, match="lazy_rescale .* needs alternate"):
+    ms.make_plan(32, True, lazy_rescale=True)
   with pytest.raises(ValueError, match="need register_dequant"):
     ms.make_plan(16, True, register_dequant=False, compute_warpgroups=3)
   with pytest.raises(ValueError, match="compute_warpgroups must be 2 or 3"):

@@ -57,7 +57,8 @@ from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAK
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
                                                     TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part,
                                                     dequant_layout, load_fp8_part, page_ahead, produce_pages,
-                                                    q_rope_of, reduce_rows, scale_layout, share_of_part)
+                                                    q_rope_of, reduce_rows, scale_layout, share_of_part,
+                                                    any_positive)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 from pallas_kernels.sm90_registers import check_register_split
@@ -120,6 +121,10 @@ class Plan:
   # 128-dim scale tile into an accumulator of its own, and S = rope + sum_t scale[:, t] acc_t in f32: one FMA an
   # S element a tile instead of one f16 multiply a converted pair
   scale_on_s: bool = False
+  # alternate (make_plan: LAZY_RESCALE): a page rescales O^T and the row sums only where some column's max rose more
+  # than RESCALE_SLACK (log2 units) over the reference max its P is taken against (P <= 2^slack, exact in f16's
+  # range); the branch is uniform over the warpgroup (a vote), so most pages skip the 64 multiplies a thread
+  lazy_rescale: bool = False
 
   @property
   def smem_bytes(self) -> int:
@@ -194,6 +199,10 @@ REGISTER_DEQUANT_ROWS = 16
 SHARED_LOOP = True
 # register_dequant's QK scales applied to S (Plan.scale_on_s) by default
 SCALE_ON_S = False
+# alternate pages' lazy rescale (Plan.lazy_rescale) by default, and the rise of a column's max (log2 units) a page
+# absorbs without rescaling: P up to 2^8 in f16 (FlashAttention-4 takes the same 8)
+LAZY_RESCALE = False
+RESCALE_SLACK = 8.0
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
@@ -250,7 +259,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               producer_registers: int | None = None, compute_registers: int | None = None,
               register_dequant: bool | None = None, loads_first: bool | None = None,
               compute_warpgroups: int | None = None, shared_loop: bool | None = None,
-              scale_on_s: bool | None = None) -> Plan:
+              scale_on_s: bool | None = None, lazy_rescale: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -268,7 +277,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
   compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; None: SHARED_LOOP with
   register_dequant, else off) needs alternate. scale_on_s (Plan.scale_on_s; None: SCALE_ON_S with register_dequant)
-  needs register_dequant.
+  needs register_dequant. lazy_rescale (Plan.lazy_rescale; None: LAZY_RESCALE with alternate) needs alternate.
   """
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
@@ -376,7 +385,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
               register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw,
-              shared_loop=bool(shared_loop), scale_on_s=scale_on_s)
+              shared_loop=bool(shared_loop), scale_on_s=scale_on_s,
+              lazy_rescale=(LAZY_RESCALE and alternate) if lazy_rescale is None else bool(lazy_rescale))
+  if plan.lazy_rescale and not plan.alternate:
+    raise ValueError("mosaic_sm90: lazy_rescale is the alternate pages' softmax (register_dequant, or producer_dequant "
+                     "at 16 rows a CTA); it needs alternate")
   if plan.shared_loop and not plan.alternate:
     raise ValueError("mosaic_sm90: shared_loop runs the compute warpgroups of alternate pages from one copy of "
                      "their code; it needs alternate (producer_dequant at 16 rows a CTA, or register_dequant)")
@@ -935,11 +948,27 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
             else:
               s = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32)) * scale_log2
             s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, over_rows("max", s))
+            m_page = over_rows("max", s)
+            if plan.lazy_rescale:
+              # rescale O^T and the sums only where a column's max rose past the reference by the slack
+              rise = (m_page > m_i + RESCALE_SLACK).astype(jnp.float32)
+              need = any_positive(rise) if on_gpu else jnp.max(rise).astype(jnp.int32)
+
+              def rescale(state):
+                acc, l_acc, m_ref = state
+                m_new = jnp.maximum(m_ref, m_page)
+                alpha = jnp.exp2(m_ref - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+                return acc * bcast(alpha, acc.shape), l_acc * bcast(alpha, l_acc.shape), m_new
+
+              acc, l_acc, m_new = lax.cond(need > 0, rescale, lambda state: state, (acc, l_acc, m_i))
+              alpha = None
+            else:
+              m_new = jnp.maximum(m_i, m_page)
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
+            if not plan.lazy_rescale:
+              alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - bcast(m_use, s.shape))
-            l_acc = l_acc * bcast(alpha, l_acc.shape) + p
+            l_acc = l_acc + p if alpha is None else l_acc * bcast(alpha, l_acc.shape) + p
             pbuf.at[w, 0].T[...] = p.astype(dt)
             plgpu.commit_smem()
 
@@ -966,12 +995,13 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               plgpu.wgmma_wait(0)
 
             if on_gpu:
-              # onto the rescaled O in place (a second [512, N] accumulator would not fit the registers)
-              acc = pl.run_state(pv)(plgpu.ACC.init(acc * bcast(alpha, acc.shape)))
+              # onto the rescaled O in place (a second [512, N] accumulator would not fit the registers;
+              # lazy_rescale: already rescaled, where it was)
+              acc = pl.run_state(pv)(plgpu.ACC.init(acc if alpha is None else acc * bcast(alpha, acc.shape)))
             else:
               # interpret mode runs no preinitialized accumulator: a fresh one, added to the rescaled O
               o_page = pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((LATENT_DIM, n), jnp.float32))
-              acc = acc * bcast(alpha, acc.shape) + o_page
+              acc = (acc if alpha is None else acc * bcast(alpha, acc.shape)) + o_page
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, l_acc
 
@@ -1215,7 +1245,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                lookahead: bool | None = None, register_dequant: bool | None = None,
                loads_first: bool | None = None, compute_warpgroups: int | None = None,
                shared_loop: bool | None = None, scale_on_s: bool | None = None,
-               q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               lazy_rescale: bool | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
@@ -1249,7 +1279,8 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
   pages in flight (Plan.compute_warpgroups; None: 2); shared_loop: the compute warpgroups of alternate pages run
   one copy of their code (Plan.shared_loop; None: on with register_dequant); scale_on_s: register_dequant's QK
-  scales applied to S, one accumulator a scale tile (Plan.scale_on_s; None: SCALE_ON_S).
+  scales applied to S, one accumulator a scale tile (Plan.scale_on_s; None: SCALE_ON_S); lazy_rescale: alternate
+  pages rescale O only where a column's max rose past RESCALE_SLACK (Plan.lazy_rescale; None: LAZY_RESCALE).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1264,11 +1295,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
         or lookahead is not None or register_dequant is not None or loads_first is not None
-        or compute_warpgroups is not None or shared_loop is not None or scale_on_s is not None):
+        or compute_warpgroups is not None or shared_loop is not None or scale_on_s is not None
+        or lazy_rescale is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
                        "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups / "
-                       "shared_loop / scale_on_s (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows "
-                       "kernel's)")
+                       "shared_loop / scale_on_s / lazy_rescale (the swapped kernel's) or prefetch_tiles / "
+                       "rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
                             kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
@@ -1286,10 +1318,12 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None or register_dequant is not None
                              or loads_first is not None or compute_warpgroups is not None
-                             or shared_loop is not None or scale_on_s is not None):
+                             or shared_loop is not None or scale_on_s is not None
+                             or lazy_rescale is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate, lookahead), to the swapped kernel, as does register_dequant (and "
-                     "loads_first, compute_warpgroups, shared_loop, scale_on_s) (kernel='seesaw' or 'swapped')")
+                     "loads_first, compute_warpgroups, shared_loop, scale_on_s, lazy_rescale) (kernel='seesaw' or "
+                     "'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1303,7 +1337,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
                    loads_first=loads_first, compute_warpgroups=compute_warpgroups, shared_loop=shared_loop,
-                   scale_on_s=scale_on_s, **(registers or {}))
+                   scale_on_s=scale_on_s, lazy_rescale=lazy_rescale, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -39,3 +39,32 @@ def test_accumulator_read_in_flight():
   text = LOOP.replace("{DEPBAR}", "FADD R6, R30, R7 ;")
   found = hz.kernel_hazards(text)[0]["hazards"]
   assert any(h["acc_touched"] == [30] and h["address"] == 0x140 for h in found)
+
+
+NESTED = """
+.L_x_0:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        /*0010*/                   LDS.128 R40, [R2] ;
+        /*0020*/                   F2FP.F16.E4M3.UNPACK_B R41, R40.H1 ;
+        /*0030*/                   HGMMA.64x16x16.F32 R24, R40, gdesc[UR8], R24, gsb0 ;
+        /*0040*/                   QGMMA.64x16x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
+        /*0050*/              @!P0 BRA `(.L_x_1) ;
+        /*0060*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0070*/              @!P1 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0080*/                   FADD R6, R6, R7 ;
+        /*0090*/               @P2 BRA `(.L_x_2) ;
+"""
+
+
+def test_sass_report_finds_the_innermost_wgmma_loop():
+  """scripts/sass_report.py: of the loops holding the most wgmmas (the inner one and the outer one around it) the
+  smallest is the hot loop; a loop without a wgmma is not; opcodes lose their guard and suffixes."""
+  import sass_report
+  instructions, labels = hz.parse_sass(NESTED)
+  lo, hi = sass_report.hot_loop(instructions, labels)
+  assert (instructions[lo][0], instructions[hi][0]) == (0x10, 0x50)
+  assert [sass_report.opcode(t) for _, t in instructions[lo:hi + 1]] == ["LDS", "F2FP", "HGMMA", "QGMMA", "BRA"]
+  assert sass_report.hot_loop(*hz.parse_sass(NESTED.split(".L_x_2:")[0].replace("HGMMA", "HADD2")
+                                             .replace("QGMMA", "HADD2"))) is None

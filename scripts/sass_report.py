@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_wgmma_hazards import _BRANCH, _GUARD, compile_sass, parse_sass  # noqa: E402  (a sibling script)
+from sass_wgmma_hazards import _BRANCH, _GUARD, parse_sass, sass_input  # noqa: E402  (a sibling script)
 
 _MMA = ("HGMMA", "QGMMA")
 
@@ -53,18 +51,12 @@ def main(argv=None):
   ap.add_argument("--case", help="one case as ptxas_report.py takes it (JSON)")
   ap.add_argument("--sass", help="an nvdisasm -c listing instead of a case")
   ap.add_argument("--split", nargs="*", default=[], help="hex addresses inside the loop to cut it at")
-  ap.add_argument("--out", default=None, help="write the case's whole SASS listing here")
+  ap.add_argument("--out", default=None, help="write the whole SASS listing here")
   args = ap.parse_args(argv)
-  if bool(args.case) == bool(args.sass):
-    ap.error("give exactly one of --case and --sass")
-  if args.sass:
-    text = open(args.sass).read()
-  else:
-    with tempfile.TemporaryDirectory() as workdir:
-      text = compile_sass(json.loads(args.case), workdir)
-    if args.out:
-      with open(args.out, "w") as f:
-        f.write(text)
+  text = sass_input(ap, args)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
   instructions, labels = parse_sass(text)
   print(f"{len(instructions)} instructions in {args.case or args.sass}")
   loop = hot_loop(instructions, labels)

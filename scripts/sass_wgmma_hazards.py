@@ -117,19 +117,24 @@ def compile_sass(case: dict, workdir: str) -> str:
   return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
+def sass_input(ap: argparse.ArgumentParser, args) -> str:
+  """The SASS text of `--case` (compiled here) or `--sass` (a listing), exactly one of them."""
+  if bool(args.case) == bool(args.sass):
+    ap.error("give exactly one of --case and --sass")
+  if args.sass:
+    with open(args.sass) as f:
+      return f.read()
+  with tempfile.TemporaryDirectory() as workdir:
+    return compile_sass(json.loads(args.case), workdir)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--case", help="one case as ptxas_report.py takes it (JSON)")
   ap.add_argument("--sass", help="an nvdisasm -c listing instead of a case")
   ap.add_argument("--show", type=int, default=6, help="hazards printed per loop")
   args = ap.parse_args(argv)
-  if bool(args.case) == bool(args.sass):
-    ap.error("give exactly one of --case and --sass")
-  if args.sass:
-    text = open(args.sass).read()
-  else:
-    with tempfile.TemporaryDirectory() as workdir:
-      text = compile_sass(json.loads(args.case), workdir)
+  text = sass_input(ap, args)
   loops = kernel_hazards(text)
   for loop in loops:
     hz = loop["hazards"]

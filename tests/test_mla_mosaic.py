@@ -1306,3 +1306,15 @@ def test_production_op_traces_without_constants(monkeypatch, dtype, heads, sq):
   traced = jax.jit(lambda q, c, t, n: api.mla_decode(q, c, t, n, softmax_scale=SCALE, backend="mosaic_sm90")).trace(
       q, cache, table, lens)
   assert "custom_partitioning" in str(traced.jaxpr)
+
+
+@pytest.mark.parametrize("flags", [dict(SCALE_ON_S=True), dict(LAZY_RESCALE=True),
+                                   dict(SCALE_ON_S=True, LAZY_RESCALE=True)])
+def test_production_op_traces_with_the_opt_in_cuts(monkeypatch, flags):
+  """scale_on_s and lazy_rescale, made the defaults, trace through the production op (custom_partitioning) too:
+  no array constant in their code (what the interpret tests cannot see)."""
+  for name, value in flags.items():
+    monkeypatch.setattr(ms, name, value)
+  plan = ms.make_plan(16, True)
+  assert (plan.scale_on_s, plan.lazy_rescale) == (flags.get("SCALE_ON_S", False), flags.get("LAZY_RESCALE", False))
+  test_production_op_traces_without_constants(monkeypatch, "fp8_e4m3", 16, 1)

@@ -847,6 +847,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       q_index = lax.div(grp * n + col_iota, jnp.int32(heads))   # query token s of each column (row = s*H+h)
       chunks = range(HALF // CHUNK)
       bcast = lambda v, shape: lax.broadcast_in_dim(v, shape, [1])
+      safe = lambda m: jnp.where(m == -jnp.inf, 0.0, m)             # exp2(x - safe(m)): no -inf - -inf
       on_gpu = not interpret
       tok_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, PAGE), 1, layout=plgpu.Layout.WGMMA)
 
@@ -957,15 +958,14 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               def rescale(state):
                 acc, l_acc, m_ref = state
                 m_new = jnp.maximum(m_ref, m_page)
-                alpha = jnp.exp2(m_ref - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+                alpha = jnp.exp2(m_ref - safe(m_new))
                 return acc * bcast(alpha, acc.shape), l_acc * bcast(alpha, l_acc.shape), m_new
 
               acc, l_acc, m_new = lax.cond(need > 0, rescale, lambda state: state, (acc, l_acc, m_i))
-              alpha = None
+              m_use, alpha = safe(m_new), None              # O^T and the sums are already on m_new's scale
             else:
               m_new = jnp.maximum(m_i, m_page)
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            if not plan.lazy_rescale:
+              m_use = safe(m_new)
               alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - bcast(m_use, s.shape))
             l_acc = l_acc + p if alpha is None else l_acc * bcast(alpha, l_acc.shape) + p

@@ -193,6 +193,14 @@ def _thread():
   return warp, lane
 
 
+def _thread_rows():
+  """The two rows a thread holds in a [64, k] WGMMA-layout array, 16 w + g and 16 w + g + 8, as i32 values."""
+  i32 = ir.IntegerType.get_signless(32)
+  warp, lane = _thread()
+  row0 = arith.addi(arith.muli(warp, arith.constant(i32, 16)), arith.divui(lane, arith.constant(i32, 4)))
+  return row0, arith.addi(row0, arith.constant(i32, 8))
+
+
 def _scale_at(sc_ref, row, col):
   """sc_ref[row, col] (f32) for i32 values or Python ints."""
   index = ir.IndexType.get()
@@ -221,11 +229,7 @@ def qk_operands_gpu(tile: int, scaled: bool = True):
 
   @plgpu.inline_mgpu(arg_types=(QK_TILE_LAYOUT, plgpu.RefType()), return_type=(_A_TYPE, _A_TYPE))
   def convert(_ctx, raw, sc_ref):
-    i32 = ir.IntegerType.get_signless(32)
-    warp, lane = _thread()
-    row0 = arith.addi(arith.muli(warp, arith.constant(i32, 16)), arith.divui(lane, arith.constant(i32, 4)))
-    rows = (row0, arith.addi(row0, arith.constant(i32, 8)))
-    scales = [_f16x2_of_f32(_scale_at(sc_ref, r, tile)) for r in rows] if scaled else [None, None]
+    scales = [_f16x2_of_f32(_scale_at(sc_ref, r, tile)) for r in _thread_rows()] if scaled else [None, None]
     words = {}
     out = []
     for q in range(FP8_TILE // CHUNK):
@@ -299,25 +303,15 @@ def pv_instructions() -> dict:
 
 # ---- scale_on_s: QK's tile scales applied to S (one accumulator a 128-dim scale tile) -------------------------
 @functools.lru_cache(maxsize=None)
-def acc_register_map(n: int) -> dict:
-  """{register index of a [64, n] f32 WGMMA-layout array: (h, j)}: for lane (g, c) of warp w the register holds
-  row 16 w + g + 8 h at columns 8 j + 2 c and 8 j + 2 c + 1. Raises unless that holds for every thread."""
+def acc_row_halves(n: int) -> dict:
+  """{register index of a [64, n] f32 WGMMA-layout array: h}: for lane (g, c) of warp w the register holds row
+  16 w + g + 8 h (both its elements). Raises unless that holds for every thread."""
   out = {}
-  for (warp, lane, reg, e), (row, col) in register_owners(mgpu.WGMMA_LAYOUT, (PAGE, n)).items():
+  for (warp, lane, reg, _), (row, _) in register_owners(mgpu.WGMMA_LAYOUT, (PAGE, n)).items():
     h, rr = divmod(row - 16 * warp - lane // 4, 8)
-    j, cc = divmod(col - 2 * (lane % 4) - e, 8)
-    if rr or cc or h not in (0, 1) or out.setdefault(reg, (h, j)) != (h, j):
-      raise AssertionError(f"[64, {n}] WGMMA register {reg} of thread ({warp}, {lane}) is not row 16w+g+8h, "
-                           f"columns 8j+2c+e")
+    if rr or h not in (0, 1) or out.setdefault(reg, h) != h:
+      raise AssertionError(f"[64, {n}] WGMMA register {reg} of thread ({warp}, {lane}) is not row 16w+g+8h")
   return out
-
-
-def _acc_type(n: int):
-  return plgpu.ShapeDtypeStruct((PAGE, n), jnp.float32, layout=plgpu.Layout.WGMMA)
-
-
-def _acc_array(regs):
-  return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,22 +319,20 @@ def tile_scales_gpu(n: int):
   """(the slot's scales [64, 4] f32 SMEM ref) -> four [64, n] f32 WGMMA arrays, element (r, c) of array t the
   scale of token r's tile t (two loads a tile a thread: its rows 16 w + g and + 8)."""
   shape = mgpu.WGMMA_LAYOUT.registers_shape((PAGE, n))
-  rmap = acc_register_map(n)
+  half_of = acc_row_halves(n)
+  acc_type = plgpu.ShapeDtypeStruct((PAGE, n), jnp.float32, layout=plgpu.Layout.WGMMA)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(_acc_type(n),) * 4)
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(acc_type,) * 4)
   def build(_ctx, sc_ref):
-    i32 = ir.IntegerType.get_signless(32)
     vec2 = ir.VectorType.get((2,), ir.F32Type.get())
-    warp, lane = _thread()
-    row0 = arith.addi(arith.muli(warp, arith.constant(i32, 16)), arith.divui(lane, arith.constant(i32, 4)))
-    rows = (row0, arith.addi(row0, arith.constant(i32, 8)))
+    rows = _thread_rows()
     out = []
     for t in range(LATENT_DIM // FP8_TILE):
       splat = [vector.broadcast(vec2, _scale_at(sc_ref, r, t)) for r in rows]
       regs = np.empty(shape, dtype=object)
       for idx in np.ndindex(*shape):
-        regs[idx] = splat[rmap[idx][0]]
-      out.append(_acc_array(regs))
+        regs[idx] = splat[half_of[idx]]
+      out.append(mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
     return tuple(out)
 
   return build

@@ -183,13 +183,14 @@ def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, st
 
 @pytest.mark.parametrize("kw", [dict(producer_dequant=True), dict(register_dequant=True),
                                 dict(register_dequant=True, compute_warpgroups=3),
-                                dict(register_dequant=True, scale_on_s=True),
-                                dict(register_dequant=True, scale_on_s=True, compute_warpgroups=3),
+                                dict(register_dequant=True, scale_on_s=False),
+                                dict(register_dequant=True, scale_on_s=False, compute_warpgroups=3),
                                 dict(register_dequant=True, lazy_rescale=True),
-                                dict(register_dequant=True, lazy_rescale=True, scale_on_s=True),
+                                dict(register_dequant=True, lazy_rescale=True, scale_on_s=False),
                                 dict(producer_dequant=True, lazy_rescale=True)],
-                         ids=["producers", "register_dequant", "rd_3_compute", "scale_on_s", "scale_on_s_3_compute",
-                              "lazy_rescale", "lazy_rescale_scale_on_s", "producers_lazy_rescale"])
+                         ids=["producers", "register_dequant", "rd_3_compute", "no_scale_on_s",
+                              "no_scale_on_s_3_compute", "lazy_rescale", "lazy_rescale_no_scale_on_s",
+                              "producers_lazy_rescale"])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
     (16, 1, False, LENS, None),
@@ -198,9 +199,9 @@ def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, st
 def test_swapped_shared_loop_vs_float64(kw, heads, sq, causal, lens, rows_per_cta):
   """shared_loop: the compute warpgroups of alternate pages run one traced copy of their code (the warpgroup index
   at run time), each reducing through its own SMEM region: the converting producers' plan and register_dequant (with
-  two compute warpgroups the default fp8 plan at 16 rows a CTA), also with QK's scales applied to S (scale_on_s)
-  and O rescaled only where a column's max rose past the slack (lazy_rescale, with q times 8 so that pages past a
-  segment's first take both branches)."""
+  two compute warpgroups the default fp8 plan at 16 rows a CTA, QK's scales applied to S), also with the scales
+  on QK's operands instead (scale_on_s off) and O rescaled only where a column's max rose past the slack
+  (lazy_rescale, with q times 8 so that pages past a segment's first take both branches)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 41, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   if kw.get("lazy_rescale"):

@@ -1,10 +1,10 @@
 """mosaic_sm90 backend: split-KV schedule, combine and plan as plain JAX; the kernel in GPU interpret mode (CPU).
 
-The interpret-mode cases run the real kernel body (TMA ring, barriers, wgmma, the score swap between the two
-compute warpgroups) on NaN-poisoned caches against the float64 NumPy reference on the dequantized cache, with
-the tolerances of docs/architecture.md §3. Interpret mode is slow (~20 s a case on 2 cores), so the cases are a chosen cover:
-bf16 + ragged + zero length (one head group), fp8 + Sq=2 causal + two head groups + partial pages, and one small
-fp8 case under the race detector with a 2-slot ring that wraps.
+The interpret-mode cases run the real kernel body (TMA ring, barriers, wgmma, the score swap between the two compute
+warpgroups) on NaN-poisoned caches against the float64 NumPy reference on the dequantized cache, with the tolerances
+of docs/architecture.md §3. Interpret mode is slow (~20 s a case on 2 cores), so the cases are a chosen cover: bf16 +
+ragged + zero length (one head group), fp8 + Sq=2 causal + two head groups + partial pages, and one small fp8 case
+under the race detector with a 2-slot ring that wraps.
 """
 import jax
 import jax.numpy as jnp
@@ -1201,9 +1201,10 @@ def test_q_whole_and_q_apart_give_the_same_bits(kernel, dtype, heads):
     # one copy of the compute warpgroups' code (two and three of them)
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True)),
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, compute_warpgroups=3)),
-    # QK's scales applied to S (one accumulator a scale tile): shared loop, and Sq 2 causal with three warpgroups
-    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, scale_on_s=True)),
-    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, compute_warpgroups=3, scale_on_s=True)),
+    # QK's scales applied to the operands instead of S (scale_on_s off; the cases above take it on, the default):
+    # shared loop, and Sq 2 causal with three warpgroups
+    (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, dict(shared_loop=True, scale_on_s=False)),
+    (16, 2, [1, 130, 64], True, 2, dict(rows_per_cta=16, compute_warpgroups=3, scale_on_s=False)),
 ])
 def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
   """register_dequant: no f16 page; each compute warpgroup converts its page into the A operands of both products
@@ -1219,7 +1220,7 @@ def test_swapped_register_dequant_interpret(heads, sq, lens, causal, parts, kw):
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, 1, dict(shared_loop=True)),
     # q times 8: scores spread over ~20 log2 units, so pages past a segment's first rise past the slack too
     (16, 1, [129, 0, 64, 3, 200, 130, 257], False, 3, 8, dict(shared_loop=True)),
-    (16, 2, [1, 130, 64], True, 2, 8, dict(rows_per_cta=16, scale_on_s=True, compute_warpgroups=3)),
+    (16, 2, [1, 130, 64], True, 2, 8, dict(rows_per_cta=16, scale_on_s=False, compute_warpgroups=3)),
 ])
 def test_swapped_lazy_rescale_interpret(heads, sq, lens, causal, parts, q_times, kw):
   """lazy_rescale: O^T and the row sums rescaled only on pages where a column's max rose past RESCALE_SLACK (P
@@ -1262,9 +1263,10 @@ def test_swapped_register_dequant_plan():
                               + ms._reduction_scratch_bytes(16)) <= ms.SMEM_LIMIT
   assert ms.make_plan(16, True, producer_dequant=True).num_warpgroups == 4   # 2 compute, 2 producers
   assert ms.make_plan(16, True, compute_warpgroups=3) == three           # register_dequant by default at 16 rows
-  # scale_on_s: off by default (SCALE_ON_S), only with register_dequant
+  # scale_on_s: on by default (SCALE_ON_S), only with register_dequant
   assert ms.make_plan(16, True).scale_on_s == ms.SCALE_ON_S
-  assert ms.make_plan(16, True, scale_on_s=True).scale_on_s
+  assert not ms.make_plan(16, True, scale_on_s=False).scale_on_s
+  assert not ms.make_plan(16, True, producer_dequant=True).scale_on_s
   with pytest.raises(ValueError, match="scale_on_s"):
     ms.make_plan(16, True, producer_dequant=True, scale_on_s=True)
   # lazy_rescale: off by default (LAZY_RESCALE), only where the compute warpgroups take alternate pages
@@ -1308,13 +1310,13 @@ def test_production_op_traces_without_constants(monkeypatch, dtype, heads, sq):
   assert "custom_partitioning" in str(traced.jaxpr)
 
 
-@pytest.mark.parametrize("flags", [dict(SCALE_ON_S=True), dict(LAZY_RESCALE=True),
-                                   dict(SCALE_ON_S=True, LAZY_RESCALE=True)])
-def test_production_op_traces_with_the_opt_in_cuts(monkeypatch, flags):
-  """scale_on_s and lazy_rescale, made the defaults, trace through the production op (custom_partitioning) too:
-  no array constant in their code (what the interpret tests cannot see)."""
+@pytest.mark.parametrize("flags", [dict(SCALE_ON_S=False), dict(LAZY_RESCALE=True),
+                                   dict(SCALE_ON_S=False, LAZY_RESCALE=True)])
+def test_production_op_traces_off_the_default_cuts(monkeypatch, flags):
+  """The plans off the default (scale_on_s off, lazy_rescale on) trace through the production op
+  (custom_partitioning) too: no array constant in their code (what the interpret tests cannot see)."""
   for name, value in flags.items():
     monkeypatch.setattr(ms, name, value)
   plan = ms.make_plan(16, True)
-  assert (plan.scale_on_s, plan.lazy_rescale) == (flags.get("SCALE_ON_S", False), flags.get("LAZY_RESCALE", False))
+  assert (plan.scale_on_s, plan.lazy_rescale) == (flags.get("SCALE_ON_S", True), flags.get("LAZY_RESCALE", False))
   test_production_op_traces_without_constants(monkeypatch, "fp8_e4m3", 16, 1)

@@ -17,6 +17,8 @@ timeout 150 python -m pytest -q -m gpu tests/test_gpu_mla.py -k "(test_mla_decod
   -p no:cacheprovider -rA 2>&1 | grep -E "passed|failed|FAIL|Error|assert" | head -30 | tee $OUT/gpu_tests_mla_sos_default_${TAG}_$C.log
 timeout 120 python scripts/check_mla_gpu.py --cases full --case-grep h16 --commit $C --out $OUT/mla_sos_default_check_${TAG}_$C.json 2>&1 \
   | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -25
+timeout 100 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_sos_default_timing_${TAG}_$C.json \
+  --only "fp8_e4m3 h16,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 b32 L16384" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -6
 name="fp8_e4m3 h16 l2 resident"; tag=fp8_h16_l2_sos
 timeout 120 ncu --clock-control none --kernel-name body_mosaic_gpu_kernel --launch-skip 1 --launch-count 1 --set full \
   -o /tmp/$tag python scripts/ncu_mla.py --variant "$name" > /tmp/$tag.log 2>&1; tail -2 /tmp/$tag.log

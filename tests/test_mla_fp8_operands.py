@@ -35,6 +35,8 @@ def test_permutations_are_bijections_and_match_the_reshapes():
   np.testing.assert_array_equal(np.asarray(ops.q_in_qk_order(jnp.asarray(x))), ops.qk_dims())
   np.testing.assert_array_equal(ops.pv_rows()[np.asarray(ops.row_of_dim())], x)
   np.testing.assert_array_equal(np.asarray(ops.row_of_dim()), np.argsort(ops.pv_rows()))
+  dims = np.random.default_rng(3).permutation(512).astype(np.int32)[:128]      # any dims, as the merge kernel asks
+  np.testing.assert_array_equal(np.asarray(ops.row_of_dim(jnp.asarray(dims))), np.argsort(ops.pv_rows())[dims])
   # QK: a thread's 16 loaded bytes of a chunk are its four k-steps; P.V: 8 bytes of a half are its rows of 4 blocks
   k = ops.qk_dims()[:64]
   assert list(k[[2, 3, 10, 11]]) == [16, 17, 18, 19]          # lane c = 1, k-step 0 -> bytes 16 .. 19

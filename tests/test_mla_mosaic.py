@@ -554,15 +554,20 @@ def test_merge_kernel_row_of_dim_gathers_rows_in_dim_order():
   payload = ms.share_pages(cu, parts).reshape(1)
   kw = dict(batch=len(pages), groups=groups, out_dtype=jnp.float32, interpret=True)
   want = ms.merge_partials(jnp.asarray(o_dims), jnp.asarray(lse2), cu, payload, **kw)
-  for row_of_dim in (np.asarray(ms.fp8_ops.row_of_dim()), rng.permutation(512).astype(np.int32)):
+  # (the table as an operand; the same map as a function the kernel runs itself, as mla_decode passes it)
+  rd_table = np.asarray(ms.fp8_ops.row_of_dim())
+  for table, arg in ((rd_table, jnp.asarray(rd_table)), (rd_table, ms.fp8_ops.row_of_dim),
+                     (perm := rng.permutation(512).astype(np.int32), jnp.asarray(perm))):
     o_rows = np.empty_like(o_dims)
-    o_rows[:, row_of_dim] = o_dims                      # row row_of_dim[d] holds dim d
-    got = ms.merge_partials(jnp.asarray(o_rows), jnp.asarray(lse2), cu, payload,
-                            row_of_dim=jnp.asarray(row_of_dim), **kw)
+    o_rows[:, table] = o_dims                           # row table[d] holds dim d
+    got = ms.merge_partials(jnp.asarray(o_rows), jnp.asarray(lse2), cu, payload, row_of_dim=arg, **kw)
     for a, b in zip(got, want):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="row_of_dim must be int32"):
     ms.merge_partials(jnp.asarray(o_dims), jnp.asarray(lse2), cu, payload, row_of_dim=jnp.arange(256), **kw)
+  with pytest.raises(ValueError, match="not rows_major"):
+    ms.merge_partials(jnp.asarray(np.swapaxes(o_dims, 1, 2)), jnp.asarray(lse2), cu, payload, rows_major=True,
+                      row_of_dim=ms.fp8_ops.row_of_dim, **kw)
 
 
 # ---- the rows kernel with an fp8 cache (each warpgroup dequantizes its token half; a 1-slot fp8 ring by default,

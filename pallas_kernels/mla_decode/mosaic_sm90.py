@@ -1354,8 +1354,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      num_pages=cache.num_pages, interpret=interpret)
   cache_arrays = (cache.latent, cache.rope) + ((cache.scale,) if fp8 else ())
   o_part, lse2_part = call(q_nope, q_rope, *cache_arrays, block_table, lens, cu, sched)
-  # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order)
-  row_of_dim = fp8_ops.row_of_dim() if plan.register_dequant else None
+  # (register_dequant: O's rows come in the order of its P.V A operands; the merge gathers them in dim order,
+  # computing each program's rows itself)
+  row_of_dim = fp8_ops.row_of_dim if plan.register_dequant else None
   out, lse = merge_partials(o_part, lse2_part, cu, payload, batch=batch, groups=plan.groups, out_dtype=q.dtype,
                             interpret=bool(interpret), row_of_dim=row_of_dim)  # [B, G*N, 512], [B, G*N]
   out = out[:, :plan.rows].reshape(batch, sq, heads, LATENT_DIM)

@@ -346,13 +346,17 @@ def q_in_qk_order(q):
   return jnp.moveaxis(x, -4, -2).reshape(*lead, LATENT_DIM)         # chunk, j, eh, c, el
 
 
-def row_of_dim() -> jax.Array:
+def row_of_dim(d: jax.Array | None = None) -> jax.Array:
   """int32 [512]: the row of the kernel's O^T that holds latent dim D (pv_rows' inverse; the merge kernel gathers
   its rows in dim order with it): pv_rows' digits (half, b, w, h, g) read back out of D = 256 half + 64 w + 8 g +
-  2 b + h, from an iota. A traced value inside a trace, not an array constant, so it may be used where the call is
-  traced with no constants (the api's custom_partitioning)."""
-  d = jax.lax.iota(jnp.int32, LATENT_DIM)
-  half, w, g, b, h = d // HALF, d % HALF // 64, d % 64 // 8, d % 8 // 2, d % 2
+  2 b + h. d: the dims to map (any int32 array of values in [0, 512); None: all of them, from an iota). Shifts and
+  masks only, so the merge kernel computes its rows itself (split_kv.merge_partials with this function: no table
+  operand, no XLA fusion to build one); a traced value, never an array constant (the api's custom_partitioning
+  refuses constants)."""
+  if d is None:
+    d = jax.lax.iota(jnp.int32, LATENT_DIM)
+  bits = lambda shift, width: jax.lax.shift_right_logical(d, jnp.int32(shift)) & jnp.int32((1 << width) - 1)
+  half, w, g, b, h = bits(8, 1), bits(6, 2), bits(3, 3), bits(1, 2), bits(0, 1)
   return half * HALF + b * BLOCK + w * 16 + h * 8 + g
 
 

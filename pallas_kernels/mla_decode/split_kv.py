@@ -53,10 +53,15 @@ _LN2 = math.log(2.0)
 
 
 def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: int, rows_major: bool = False,
-                  direct: bool = False, permuted: bool = False):
+                  direct: bool = False, permuted=False):
+  # permuted: False (row d is dim d), True (a row table operand first in refs) or a function of the dims (rows)
   out_ref, lse_ref = refs[-2:]                       # direct: refs[1:3] / refs[:2] are the same buffers (aliased)
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows = refs[0][pl.ds(d * COLS, COLS)] if permuted else None          # o_part's rows of this program's dims
+  rows = None                                                          # o_part's rows of this program's dims
+  if callable(permuted):
+    rows = permuted(d * COLS + lax.broadcasted_iota(jnp.int32, (COLS,), 0))
+  elif permuted:
+    rows = refs[0][pl.ds(d * COLS, COLS)]
   first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
   payload = payload_ref[0]
   p_lo = first // payload
@@ -102,7 +107,7 @@ def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, g
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
                    groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False,
                    direct: tuple[jax.Array, jax.Array] | None = None,
-                   row_of_dim: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   row_of_dim=None) -> tuple[jax.Array, jax.Array]:
   """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
   (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
   [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key).
@@ -113,7 +118,9 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   and writes nothing.
 
   row_of_dim: int32 [512], the row of o_part [E*G, 512, N] that holds each latent dim (a kernel whose output rows
-  come in another order: the swapped kernel's register_dequant); None: row d is dim d."""
+  come in another order: the swapped kernel's register_dequant), or a function that maps an int32 [128] array of
+  dims to their rows with ops the kernel can run (sm90_fp8_operands.row_of_dim: computed in the kernel, no table
+  operand); None: row d is dim d."""
   if rows_major:
     _, n, dims = o_part.shape
   else:
@@ -130,10 +137,13 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   out_shape = [jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
                jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)]
   operands = [cu, payload, o_part, lse2_part]
-  if row_of_dim is not None:
-    if rows_major or row_of_dim.shape != (LATENT_DIM,) or row_of_dim.dtype != jnp.int32:
-      raise ValueError(f"merge_partials: row_of_dim must be int32 [{LATENT_DIM}] with partials [E*G, "
-                       f"{LATENT_DIM}, N], got {row_of_dim.dtype}{list(row_of_dim.shape)} (rows_major={rows_major})")
+  if row_of_dim is not None and rows_major:
+    raise ValueError(f"merge_partials: row_of_dim applies to partials [E*G, {LATENT_DIM}, N], not rows_major ones")
+  if row_of_dim is not None and not callable(row_of_dim):
+    if getattr(row_of_dim, "shape", None) != (LATENT_DIM,) or getattr(row_of_dim, "dtype", None) != jnp.int32:
+      raise ValueError(f"merge_partials: row_of_dim must be int32 [{LATENT_DIM}] or a function of the dims, got "
+                       f"{getattr(row_of_dim, 'dtype', type(row_of_dim).__name__)}"
+                       f"{list(getattr(row_of_dim, 'shape', ()))}")
     operands.append(row_of_dim)
   in_specs = [whole(x) for x in operands]
   aliases = {}
@@ -149,7 +159,7 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None,
-                          permuted=row_of_dim is not None),
+                          permuted=row_of_dim if callable(row_of_dim) else row_of_dim is not None),
         grid=(batch, groups, LATENT_DIM // COLS),
         in_specs=in_specs,
         out_specs=out_specs,

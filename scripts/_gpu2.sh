@@ -1,7 +1,7 @@
 #!/bin/bash
 # one-off device call (deleted after). On an H200: issue 13's W4A16 targets, the V3 slice and the MLA targets'
 # shapes at the present defaults (scale_on_s on). Else: the new default through the production op on the GPU
-# (tests, the h16 correctness cases) and ncu of its L2-resident run (what bounds it now).
+# (tests, the h16 correctness cases) and its timing with the merge's rows computed in the kernel.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 C=$1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
@@ -19,10 +19,3 @@ timeout 120 python scripts/check_mla_gpu.py --cases full --case-grep h16 --commi
   | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -25
 timeout 100 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_sos_default_timing_${TAG}_$C.json \
   --only "fp8_e4m3 h16,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 b32 L16384" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -6
-name="fp8_e4m3 h16 l2 resident"; tag=fp8_h16_l2_sos
-timeout 120 ncu --clock-control none --kernel-name body_mosaic_gpu_kernel --launch-skip 1 --launch-count 1 --set full \
-  -o /tmp/$tag python scripts/ncu_mla.py --variant "$name" > /tmp/$tag.log 2>&1; tail -2 /tmp/$tag.log
-python scripts/ncu_sass_summary.py /tmp/$tag.ncu-rep --top 40 > $OUT/ncu_${tag}_sass_${TAG}_$C.txt 2>&1
-head -30 $OUT/ncu_${tag}_sass_${TAG}_$C.txt
-ncu -i /tmp/$tag.ncu-rep --page details --print-details all > $OUT/ncu_${tag}_details_${TAG}_$C.txt 2>&1
-grep -iE "Duration|Issue Slots|Eligible|Active Warps|Pipe|Registers" $OUT/ncu_${tag}_details_${TAG}_$C.txt | head -20

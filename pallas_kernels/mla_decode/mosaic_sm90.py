@@ -22,7 +22,8 @@ warpgroups also take alternate pages, each whole, instead of both taking every p
 producers load each page one page ahead (`lookahead`). With `register_dequant` (the default at 16 rows a CTA, fp8
 h16) no f16 page exists: one TMA producer streams the e4m3 pages and each compute warpgroup converts its page
 straight into the wgmma A registers of both products (sm90_fp8_operands.py), Q's latent dims and O's rows permuted
-to match, and the compute warpgroups run one traced copy of their code (`shared_loop`).
+to match, and the compute warpgroups run one traced copy of their code (`shared_loop`); QK's operands stay unscaled,
+one accumulator a scale tile, the tile scales applied to S (`scale_on_s`).
 
 Split-KV: the whole batch's pages are cut into `num_parts` equal shares per head group (a device-side schedule
 from seq_lens, so ragged batches keep every SM busy). Share p covering sequence b writes one partial (o, lse)

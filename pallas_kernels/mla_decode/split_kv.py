@@ -53,8 +53,8 @@ _LN2 = math.log(2.0)
 
 
 def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: int, rows_major: bool = False,
-                  direct: bool = False, permuted=False):
-  # permuted: False (row d is dim d), True (a row table operand first in refs) or a function of the dims (rows)
+                  direct: bool = False, permuted=None):
+  # permuted: None (row d is dim d), True (a row table operand first in refs) or a function of the dims (rows)
   out_ref, lse_ref = refs[-2:]                       # direct: refs[1:3] / refs[:2] are the same buffers (aliased)
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = None                                                          # o_part's rows of this program's dims
@@ -137,9 +137,10 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   out_shape = [jax.ShapeDtypeStruct((batch, groups * n, LATENT_DIM), out_dtype),
                jax.ShapeDtypeStruct((batch, groups * n), jnp.float32)]
   operands = [cu, payload, o_part, lse2_part]
+  table = row_of_dim is not None and not callable(row_of_dim)          # else the kernel computes its rows
   if row_of_dim is not None and rows_major:
     raise ValueError(f"merge_partials: row_of_dim applies to partials [E*G, {LATENT_DIM}, N], not rows_major ones")
-  if row_of_dim is not None and not callable(row_of_dim):
+  if table:
     if getattr(row_of_dim, "shape", None) != (LATENT_DIM,) or getattr(row_of_dim, "dtype", None) != jnp.int32:
       raise ValueError(f"merge_partials: row_of_dim must be int32 [{LATENT_DIM}] or a function of the dims, got "
                        f"{getattr(row_of_dim, 'dtype', type(row_of_dim).__name__)}"
@@ -159,7 +160,7 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None,
-                          permuted=row_of_dim if callable(row_of_dim) else row_of_dim is not None),
+                          permuted=table or row_of_dim),
         grid=(batch, groups, LATENT_DIM // COLS),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -1,13 +1,18 @@
 #!/bin/bash
 # one-off device call (deleted after). On an H200: issue 13's W4A16 targets, the V3 slice and the MLA targets'
-# shapes at the present defaults. On an H100: the V3 slice and the MLA targets' shapes at the present defaults.
+# shapes at the present defaults. On an H100: the default fp8 h16 plan with loads_first (GPU test, then timing).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 C=$1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
 case "$GPU" in *H200*) TAG=h200;; *) TAG=h100;; esac
 if [ $TAG = h200 ]; then
   timeout 170 python scripts/bench_w4a16.py --backends mosaic_sm90 --quick --commit $C --out $OUT/w4a16_quick_${TAG}_$C.json 2>&1 | tail -22
+  timeout 220 python scripts/bench_generate.py --v3-slice --commit $C --out $OUT/generate_v3_slice_${TAG}_$C.json 2>&1 | tail -5
+  timeout 190 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_targets_${TAG}_$C.json \
+    --only "fp8_e4m3 h16,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 producers,bfloat16 h128,fp8_e4m3 h128,fp8_e4m3 h128 sq2,fp8_e4m3 h128 ragged[1..2L],bfloat16 h128 l2 resident" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -14
+  exit 0
 fi
-timeout 130 python scripts/bench_generate.py --v3-slice --commit $C --out $OUT/generate_v3_slice_${TAG}_$C.json 2>&1 | tail -8
-timeout 200 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_targets_${TAG}_$C.json \
-  --only "fp8_e4m3 h16,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 producers,bfloat16 h128,fp8_e4m3 h128,fp8_e4m3 h128 sq2,fp8_e4m3 h128 ragged[1..2L],bfloat16 h128 l2 resident" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -14
+timeout 150 python -m pytest -q -m gpu tests/test_gpu_mla.py -k "shared_loop and (loads_first or register_dequant)" \
+  -p no:cacheprovider -rA 2>&1 | grep -E "passed|failed|FAIL|Error|assert" | head -20 | tee $OUT/gpu_tests_mla_loads_first_${TAG}_$C.log
+timeout 200 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_loads_first_${TAG}_$C.json \
+  --only "fp8_e4m3 h16,fp8_e4m3 h16 loads first,fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 l2 resident loads first,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 ragged[1..2L] loads first,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 b32 L16384 loads first" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -12

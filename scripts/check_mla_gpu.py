@@ -103,15 +103,6 @@ def correctness_cases(kind: str):
       # the bf16 rows kernel, forced (auto's choice for bf16 before the seesaw kernel was measured)
       ("bf16 h128 ragged+0 rows", "bfloat16", 128, 1, [0, 64, 65] + ragged(5, 1000), "rows"),
       ("bf16 h64 sq2 rows causal", "bfloat16", 64, 2, [1, 2, 0] + ragged(4, 700), "rows"),
-      # the fp8 seesaw kernel with crossover: row groups paired in clusters of 2, each CTA's producer converting half
-      # of every page into both CTAs' rings (GPU only)
-      ("fp8 h128 ragged+0 seesaw crossover", "fp8_e4m3", 128, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "seesaw",
-       dict(crossover=True)),
-      ("fp8 h128 b48 many seqs/part seesaw crossover", "fp8_e4m3", 128, 1, ragged(48, 1500), "seesaw",
-       dict(crossover=True)),
-      ("fp8 h128 sq2 seesaw crossover causal", "fp8_e4m3", 128, 2, [1, 33, 0] + ragged(4, 900), "seesaw",
-       dict(crossover=True)),
-      ("fp8 h128 b2 L8192 seesaw crossover", "fp8_e4m3", 128, 1, [8192, 8000], "seesaw", dict(crossover=True)),
       # the seesaw producer's L2 prefetch of pages two pairs ahead (reads past each share's end are clipped)
       ("fp8 h128 ragged+0 seesaw l2_prefetch", "fp8_e4m3", 128, 1, [0, 64, 65, 96, 129] + ragged(5, 1000), "seesaw",
        dict(l2_prefetch=2)),
@@ -278,21 +269,6 @@ def timing_variants():
          dict(kernel="rows", num_parts=p)) for p in (32, 64, 128)),
       ("fp8_e4m3 h128 rows parts 64", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="rows", num_parts=64)),
-      # the fp8 seesaw with crossover (each CTA of a row-group pair converts half of every page for both): the
-      # register splits its lighter producer allows, early_p0, ragged, Sq 2 and the V3 slice's batch 64
-      *fp8_seesaw_register_splits("seesaw crossover", ((72, 216), (56, 224), (40, 232)), crossover=True),
-      ("fp8_e4m3 h128 seesaw crossover early_p0", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", crossover=True, early_p0=True)),
-      ("fp8_e4m3 h128 seesaw crossover ragged[1..2L]", "fp8_e4m3", 128, 1, 128, 4096, True, "mosaic_sm90",
-       dict(kernel="seesaw", crossover=True)),
-      ("fp8_e4m3 h128 sq2 seesaw crossover", "fp8_e4m3", 128, 2, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", crossover=True)),
-      ("fp8_e4m3 h128 b64 seesaw crossover", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", crossover=True)),
-      # the first exchange (st.async of 8 bytes, each completing its bytes on the peer's barrier): e0ec369's
-      # "crossover regs 72/216"
-      ("fp8_e4m3 h128 seesaw crossover st_async", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", crossover="st_async")),
       # the seesaw producer's L2 prefetch, 1 to 3 page pairs ahead (ncu at 14ec995: the fp8 producer waits on its
       # GMEM loads while the compute warpgroups wait on it)
       *((f"fp8_e4m3 h128 seesaw l2_prefetch {a}", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
@@ -305,8 +281,6 @@ def timing_variants():
        dict(kernel="seesaw", l2_prefetch=2)),
       ("fp8_e4m3 h128 seesaw early_p0 l2_prefetch 2", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="seesaw", l2_prefetch=2, early_p0=True)),
-      ("fp8_e4m3 h128 seesaw crossover l2_prefetch 2", "fp8_e4m3", 128, 1, 128, 4096, False, "mosaic_sm90",
-       dict(kernel="seesaw", crossover=True, l2_prefetch=2)),
       *((f"bfloat16 h128 seesaw l2_prefetch {a}", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="seesaw", l2_prefetch=a)) for a in (1, 2)),
       ("bfloat16 h128 sq2 seesaw l2_prefetch 1", "bfloat16", 128, 2, 128, 4096, False, "mosaic_sm90",
@@ -338,10 +312,7 @@ def timing_variants():
       ("fp8_e4m3 h20", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90", {}),
       ("fp8_e4m3 h20 no producer_dequant", "fp8_e4m3", 20, 1, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", producer_dequant=False)),
-      # the next candidates for fp8 h128 (the V3 slice's attention is b64): crossover with the pages already in L2
-      # (its halved conversion did not help while the loads were the bound), and b64's split-KV width
-      *((f"fp8_e4m3 h128{b} seesaw crossover l2_prefetch 1", "fp8_e4m3", 128, 1, batch, 4096, False, "mosaic_sm90",
-         dict(kernel="seesaw", crossover=True, l2_prefetch=1)) for b, batch in (("", 128), (" b64", 64))),
+      # b64's split-KV width (the V3 slice's attention is b64)
       *((f"fp8_e4m3 h128 b64 seesaw parts {p}", "fp8_e4m3", 128, 1, 64, 4096, False, "mosaic_sm90",
          dict(kernel="seesaw", num_parts=p)) for p in (64, 132)),
       # fp8 h16 with two producer warpgroups converting a page's latent halves side by side (4 warpgroups), as
@@ -412,17 +383,6 @@ def timing_variants():
         for alt in (False, True)),
       # bf16 h128's on-chip bound (256 bf16 pages, 18.9 MB: L2-resident), beside the ones above
       ("bfloat16 h128 l2 resident", "bfloat16", 128, 1, 128, 4096, False, "mosaic_sm90", dict(l2_pool_pages=256)),
-      # four converting producers, one column tile of each page each (the conversion a slot waits for in a quarter
-      # of the time of one producer), with and without lookahead
-      *((f"fp8_e4m3 h16{label} producers 4{'' if ahead else ' no lookahead'}", "fp8_e4m3", 16, 1, batch, length,
-         ragged, "mosaic_sm90", dict(kernel="swapped", producer_dequant=True, producers=4, lookahead=ahead, **kw))
-        for label, batch, length, ragged, kw in H16_SHAPES
-        for ahead in (True, False)),
-      # the same with the other split that fits six warpgroups' 480 registers a thread-slot (default: 48 / 144)
-      *((f"fp8_e4m3 h16{label} producers 4 registers 56/128", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
-         dict(kernel="swapped", producer_dequant=True, producers=4,
-              registers=dict(producer_registers=56, compute_registers=128), **kw))
-        for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
       # no f16 page: the compute warpgroups convert each e4m3 page into their wgmma A registers (alternate pages,
       # one TMA producer); these register_dequant variants each trace their own copy of the compute code (no
       # shared_loop, which the default plan at 16 rows has)
@@ -436,23 +396,17 @@ def timing_variants():
       *((f"fp8_e4m3 h16{label} register dequant loads first", "fp8_e4m3", 16, 1, 128, 4096, False, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, shared_loop=False, loads_first=True, **kw))
         for label, kw in (("", {}), (" l2 resident", dict(l2_pool_pages=512)))),
-      # ... with three compute warpgroups: three pages in flight
-      *((f"fp8_e4m3 h16{label} register dequant 3 compute", "fp8_e4m3", 16, 1, batch, length, ragged,
-         "mosaic_sm90", dict(kernel="swapped", register_dequant=True, shared_loop=False, compute_warpgroups=3,
-                             **kw))
-        for label, batch, length, ragged, kw in H16_SHAPES),
       # ... with the 2-slot ring it had before its 4-slot default (one slot a compute warpgroup), one page prefetched
       # (the best of 0 / 1 / 2 / 4 with two slots on an H100)
       *((f"fp8_e4m3 h16{label} register dequant 2 stages", "fp8_e4m3", 16, 1, batch, length, ragged,
          "mosaic_sm90", dict(kernel="swapped", register_dequant=True, shared_loop=False, num_stages=2,
                              l2_prefetch=1, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
-      # one traced copy of the compute warpgroups' code (the instruction cache): the converting producers' plan,
-      # register_dequant with two (the default at 16 rows) and three compute warpgroups
+      # one traced copy of the compute warpgroups' code (the instruction cache): the converting producers' plan and
+      # register_dequant (the default at 16 rows)
       *((f"fp8_e4m3 h16{label}{name} shared loop", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", shared_loop=True, **extra, **kw))
-        for name, extra in (("", dict(producer_dequant=True)), (" register dequant", dict(register_dequant=True)),
-                            (" register dequant 3 compute", dict(register_dequant=True, compute_warpgroups=3)))
+        for name, extra in (("", dict(producer_dequant=True)), (" register dequant", dict(register_dequant=True)))
         for label, batch, length, ragged, kw in H16_SHAPES),
       # the converting producers' plan (two producers, alternate pages, lookahead): the default at 16 rows a CTA
       # before register_dequant with shared_loop
@@ -469,16 +423,15 @@ def timing_variants():
         for label, batch, length, ragged, kw in H16_SHAPES),
       ("fp8_e4m3 h16 sq2 rows_per_cta 16 scale on s", "fp8_e4m3", 16, 2, 128, 4096, False, "mosaic_sm90",
        dict(kernel="swapped", rows_per_cta=16, scale_on_s=True)),
-      # alternate pages rescaling O only where a column's max rose past the slack (lazy_rescale), alone and with
-      # scale_on_s
-      *((f"fp8_e4m3 h16{label} lazy rescale{name}", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
-         dict(kernel="swapped", register_dequant=True, lazy_rescale=True, **extra, **kw))
-        for name, extra in (("", {}), (" scale on s", dict(scale_on_s=True)))
-        for label, batch, length, ragged, kw in H16_SHAPES),
       # scale_on_s is the default since 39fee20 (the "scale on s" variants above are the default now): the scales on
       # QK's operands instead, what the default was before
       *((f"fp8_e4m3 h16{label} no scale on s", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, scale_on_s=False, **kw))
+        for label, batch, length, ragged, kw in H16_SHAPES),
+      # the default plan (register_dequant, shared loop, scale_on_s) with a product's shared-memory loads all issued
+      # before its first conversion (loads_first; timed before only without the shared loop)
+      *((f"fp8_e4m3 h16{label} loads first", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
+         dict(kernel="swapped", register_dequant=True, loads_first=True, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
   ]
 

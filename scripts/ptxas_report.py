@@ -54,7 +54,6 @@ device_description_str: "NVIDIA H200"
 DEFAULT_CASES = [
     dict(op="mla", kernel="rows", fp8=False), dict(op="mla", kernel="rows", fp8=True),
     dict(op="mla", kernel="seesaw", fp8=False), dict(op="mla", kernel="seesaw", fp8=True),
-    dict(op="mla", kernel="seesaw", fp8=True, plan=dict(crossover="stores")),
     dict(op="moe", group=128, tokens=64, config={}), dict(op="moe", group=128, tokens=64, config=dict(sub_tiles=1)),
     dict(op="dense", k=7168, n=18432, m=64, group=128, config={}),
     dict(op="dense", k=7168, n=18432, m=64, group=128, config=dict(sub_tiles=2)),

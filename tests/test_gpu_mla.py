@@ -83,20 +83,19 @@ def test_seesaw_kernel_other_p0_order_vs_float64(dtype, heads, sq, causal):
   assert_matches_float64(out, lse, q, cache, table, lens, causal)
 
 
-@pytest.mark.parametrize("dtype,ahead,crossover", [("fp8_e4m3", 2, None), ("fp8_e4m3", 4, None),
-                                                  ("fp8_e4m3", 2, "stores"), ("bfloat16", 1, None)])
+@pytest.mark.parametrize("dtype,ahead", [("fp8_e4m3", 2), ("fp8_e4m3", 4), ("bfloat16", 1)])
 @pytest.mark.parametrize("heads,sq,causal,lens", [
     (128, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129]),   # many short sequences a share: reads past each end
     (128, 2, True, LENS),
 ])
-def test_seesaw_l2_prefetch_vs_float64(dtype, ahead, crossover, heads, sq, causal, lens):
+def test_seesaw_l2_prefetch_vs_float64(dtype, ahead, heads, sq, causal, lens):
   """The seesaw producer's L2 prefetch (TMA prefetches of the pages `ahead` pairs on): a hint that must not change
   a result or fault, on zero / odd / page-boundary lengths and a NaN-poisoned cache."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + ahead, lens=lens, sq=sq, heads=heads, dtype=dtype)
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=crossover,
-                              l2_prefetch=ahead), c, t, n))(q, cache, table, lens_a)
+      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", l2_prefetch=ahead),
+      c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
@@ -136,7 +135,7 @@ def test_swapped_two_producers_vs_float64(ahead, heads, sq, causal, lens, rows_p
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
-@pytest.mark.parametrize("producers", [1, 2, 4])
+@pytest.mark.parametrize("producers", [1, 2])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
     (16, 1, False, LENS, None),
@@ -144,7 +143,7 @@ def test_swapped_two_producers_vs_float64(ahead, heads, sq, causal, lens, rows_p
     (8, 1, False, LENS, None),
 ])
 def test_swapped_alternate_vs_float64(producers, heads, sq, causal, lens, rows_per_cta):
-  """The compute warpgroups take alternate pages (alternate), with one, two or four producers: each warpgroup's own
+  """The compute warpgroups take alternate pages (alternate), with one or two producers: each warpgroup's own
   reductions (its SMEM scratch region), the hand-over at each segment's end, odd and empty shares of a segment."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + producers + 5, lens=lens, sq=sq, heads=heads,
@@ -162,35 +161,26 @@ def test_swapped_alternate_vs_float64(producers, heads, sq, causal, lens, rows_p
     (16, 2, True, LENS, 16),                                     # Sq 2 at 16 rows a CTA: two head groups
     (8, 1, False, LENS, None),
 ])
-@pytest.mark.parametrize("loads_first,compute_warpgroups,stages", [(False, 2, None), (True, 2, None), (False, 3, None),
-                                                                   (False, 2, 2)])
-def test_swapped_register_dequant_vs_float64(loads_first, compute_warpgroups, stages, heads, sq, causal, lens,
-                                             rows_per_cta):
+@pytest.mark.parametrize("loads_first,stages", [(False, None), (True, None), (False, 2)])
+def test_swapped_register_dequant_vs_float64(loads_first, stages, heads, sq, causal, lens, rows_per_cta):
   """register_dequant: each page's e4m3 bytes converted into the wgmma A registers of both products (no f16 page),
-  Q's dims and O's rows permuted to match; partial pages masked in the P.V operand. Three compute warpgroups: three
-  pages in flight, two hand-overs a segment through one set of buffers, a reduction region each. Two compute
-  warpgroups take two ring slots each by default (4 stages); 2 stages: one each. Each compute warpgroup traces its
-  own copy of the code here (shared_loop=False; the shared copy, the default, is test_swapped_shared_loop's)."""
+  Q's dims and O's rows permuted to match; partial pages masked in the P.V operand. The two compute warpgroups take
+  two ring slots each by default (4 stages); 2 stages: one each. Each compute warpgroup traces its own copy of the
+  code here (shared_loop=False; the shared copy, the default, is test_swapped_shared_loop's)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 29, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
                               register_dequant=True, shared_loop=False, loads_first=loads_first,
-                              rows_per_cta=rows_per_cta, compute_warpgroups=compute_warpgroups, num_stages=stages),
+                              rows_per_cta=rows_per_cta, num_stages=stages),
       c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 
 @pytest.mark.parametrize("kw", [dict(producer_dequant=True), dict(register_dequant=True),
-                                dict(register_dequant=True, compute_warpgroups=3),
                                 dict(register_dequant=True, scale_on_s=False),
-                                dict(register_dequant=True, scale_on_s=False, compute_warpgroups=3),
-                                dict(register_dequant=True, lazy_rescale=True),
-                                dict(register_dequant=True, lazy_rescale=True, scale_on_s=False),
-                                dict(producer_dequant=True, lazy_rescale=True)],
-                         ids=["producers", "register_dequant", "rd_3_compute", "no_scale_on_s",
-                              "no_scale_on_s_3_compute", "lazy_rescale", "lazy_rescale_no_scale_on_s",
-                              "producers_lazy_rescale"])
+                                dict(register_dequant=True, loads_first=True)],
+                         ids=["producers", "register_dequant", "no_scale_on_s", "loads_first"])
 @pytest.mark.parametrize("heads,sq,causal,lens,rows_per_cta", [
     (16, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129], None),   # many short sequences a share: 1-page segments
     (16, 1, False, LENS, None),
@@ -200,12 +190,9 @@ def test_swapped_shared_loop_vs_float64(kw, heads, sq, causal, lens, rows_per_ct
   """shared_loop: the compute warpgroups of alternate pages run one traced copy of their code (the warpgroup index
   at run time), each reducing through its own SMEM region: the converting producers' plan and register_dequant (with
   two compute warpgroups the default fp8 plan at 16 rows a CTA, QK's scales applied to S), also with the scales
-  on QK's operands instead (scale_on_s off) and O rescaled only where a column's max rose past the slack
-  (lazy_rescale, with q times 8 so that pages past a segment's first take both branches)."""
+  on QK's operands instead (scale_on_s off) and with a product's shared-memory loads first (loads_first)."""
   from pallas_kernels.mla_decode import mosaic_sm90
   q, cache, table, lens_a = random_problem(heads + sq + 41, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
-  if kw.get("lazy_rescale"):
-    q = (q.astype(jnp.float32) * 8).astype(jnp.bfloat16)
   out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped", shared_loop=True,
                               rows_per_cta=rows_per_cta, **kw), c, t, n))(q, cache, table, lens_a)
@@ -225,25 +212,6 @@ def test_swapped_lookahead_vs_float64(alternate, heads, sq, causal, lens, rows_p
       *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="swapped",
                               producer_dequant=True, producers=2, lookahead=True, alternate=alternate,
                               rows_per_cta=rows_per_cta), c, t, n))(q, cache, table, lens_a)
-  assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
-
-
-@pytest.mark.parametrize("exchange,early_p0", [("stores", False), ("stores", True), ("st_async", False)])
-@pytest.mark.parametrize("heads,sq,causal,lens", [
-    (128, 1, False, LENS),                                  # one cluster pair a share
-    (128, 2, True, LENS),                                   # 4 row groups: two pairs
-    (128, 1, False, [5, 0, 130, 64, 1, 333, 2, 70, 129]),   # many short sequences per share (odd last pages)
-])
-def test_seesaw_crossover_vs_float64(exchange, early_p0, heads, sq, causal, lens):
-  """fp8 seesaw with crossover: the two row groups' CTAs as a cluster, each producer converting its token half of
-  every page into both CTAs' rings (stores into the peer's SMEM, cluster-wide releases), by either exchange.
-  Interpret mode cannot run any of that, so this is its only check: zero / odd / page-boundary lengths on a
-  NaN-poisoned cache."""
-  from pallas_kernels.mla_decode import mosaic_sm90
-  q, cache, table, lens_a = random_problem(heads + sq + 31, lens=lens, sq=sq, heads=heads, dtype="fp8_e4m3")
-  out, lse = jax.jit(lambda q, c, t, n: api.apply_output_contract(
-      *mosaic_sm90.mla_decode(q, c, t, n, softmax_scale=SCALE, causal=causal, kernel="seesaw", crossover=exchange,
-                              early_p0=early_p0), c, t, n))(q, cache, table, lens_a)
   assert_matches_float64(out, lse, q, cache, table, lens_a, causal)
 
 

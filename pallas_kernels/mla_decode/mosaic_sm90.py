@@ -17,7 +17,7 @@ into an f16 tile; Q's latent part is then f16 too and P is f16. fp8 -> bf16 is n
 With `producer_dequant` (the default from 32 rows per CTA) the producer warpgroup loads the e4m3 page from GMEM and
 converts it into a 2-slot f16 ring itself (the seesaw kernel's producer), and the compute warpgroups read f16 pages
 as they read bf16 ones; `producers=2` adds a fourth warpgroup, and the two producers convert one latent half of each
-page each (`producers=4`: six warpgroups, one column tile each). With two producers (fp8, 16 rows a CTA) the compute
+page each. With two producers (fp8, 16 rows a CTA) the compute
 warpgroups also take alternate pages, each whole, instead of both taking every page's halves (`alternate`), and the
 producers load each page one page ahead (`lookahead`). With `register_dequant` (the default at 16 rows a CTA, fp8
 h16) no f16 page exists: one TMA producer streams the e4m3 pages and each compute warpgroup converts its page
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +57,7 @@ from pallas_kernels.mla_decode.cache import FP8_TILE, LATENT_DIM, ROPE_DIM, MLAK
 from pallas_kernels.mla_decode.sm90_shared import (COMPUTE_REGISTERS, CONVERT_TOKENS as TOK, SWZ16,
                                                     TMA_PRODUCER_REGISTERS, check_l2_prefetch, convert_fp8_part,
                                                     dequant_layout, load_fp8_part, page_ahead, produce_pages,
-                                                    q_rope_of, reduce_rows, scale_layout, share_of_part,
-                                                    any_positive)
+                                                    q_rope_of, reduce_rows, scale_layout, share_of_part)
 from pallas_kernels.mla_decode.split_kv import (CUT_PAGES_DIRECT, SEGMENT_PAGES, SNAP_CANDIDATES, merge_partials,
                                                 schedule_kernel)
 from pallas_kernels.sm90_registers import check_register_split
@@ -89,8 +87,7 @@ class Plan:
   producer_dequant: bool = False
   l2_prefetch: int = 0
   # producer_dequant with 2: two producer warpgroups, each converting one latent half of every page (the first one
-  # also issues the rope's TMA), so a page's conversion takes half the time; with 4, one [64, 128] column tile
-  # each (a quarter); up to 16 rows a CTA (registers)
+  # also issues the rope's TMA), so a page's conversion takes half the time; up to 16 rows a CTA (registers)
   producers: int = 1
   # producer_dequant, up to 16 rows a CTA: the two compute warpgroups take alternate pages of the f16 ring (each the
   # whole 576-wide QK and 512-wide P.V of its pages, with its own online softmax) instead of both taking every
@@ -111,9 +108,6 @@ class Plan:
   # register_dequant: every shared-memory load of a product (QK: the page's four tiles; P.V: both halves) issued
   # before its first conversion, so their latency is paid once a product rather than once a tile
   loads_first: bool = False
-  # compute warpgroups (warpgroups 0 .. this - 1; the producers follow). register_dequant may take 3: three pages in
-  # flight, one a warpgroup (ring slot = warpgroup), at 160 registers a compute thread instead of 232
-  compute_warpgroups: int = 2
   # alternate (make_plan: on with register_dequant): one traced copy of the compute warpgroups' code for all of them
   # (the warpgroup index at run time), their cross-warp reductions each in a scratch region of the kernel's own: the
   # instruction cache holds one page loop instead of one a warpgroup
@@ -122,19 +116,15 @@ class Plan:
   # 128-dim scale tile into an accumulator of its own, and S = rope + sum_t scale[:, t] acc_t in f32: one FMA an
   # S element a tile instead of one f16 multiply a converted pair
   scale_on_s: bool = False
-  # alternate (make_plan: LAZY_RESCALE): a page rescales O^T and the row sums only where some column's max rose more
-  # than RESCALE_SLACK (log2 units) over the reference max its P is taken against (P <= 2^slack, exact in f16's
-  # range); the branch is uniform over the warpgroup (a vote), so most pages skip the 64 multiplies a thread
-  lazy_rescale: bool = False
 
   @property
   def smem_bytes(self) -> int:
     return _smem_bytes(self.n, self.num_stages, self.fp8, self.split_p, self.producer_dequant, self.alternate,
-                       self.register_dequant, self.compute_warpgroups)
+                       self.register_dequant)
 
   @property
   def num_warpgroups(self) -> int:
-    return self.compute_warpgroups + self.producers
+    return 2 + self.producers            # two compute warpgroups, then the producers
 
   @property
   def registers(self) -> tuple[int, int]:
@@ -152,11 +142,6 @@ class Plan:
 # With lookahead each of two producers holds two pages' halves (~80 registers): 112 / 144 (ptxas 72 / 120 B of
 # spills; 96 / 160: 224 / 284).
 def producer_dequant_registers(n: int, producers: int = 1, lookahead: bool = False) -> tuple[int, int]:
-  if producers == 4:
-    # six warpgroups launch with 80 registers a thread (sm90_registers), 480 a thread-slot: 4 x 48 + 2 x 144. A
-    # producer holds one column tile (16 registers a page: two with lookahead) and its rows' scales. 4 x 56 + 2 x 144
-    # (512) hung on an H100: the compute warpgroups' increase waited forever for registers the CTA never had.
-    return (48, 144)
   if producers == 2 and lookahead:
     return (112, 144)
   if producers == 2:
@@ -184,11 +169,6 @@ ALTERNATE = True
 # L2-resident; the default plan beside them 131.0 (110.4 L2-resident)
 REGISTER_DEQUANT_STAGES = 4
 REGISTER_DEQUANT_L2_PREFETCH_PAGES = 0
-# register_dequant with three compute warpgroups: four warpgroups launch with 128 registers a thread, 512 a
-# thread-slot: the TMA producer 32, each compute warpgroup 160 (O^T [512, 16] f32 is 64 of them)
-REGISTER_DEQUANT_3_REGISTERS = (32, 160)
-check_register_split([REGISTER_DEQUANT_3_REGISTERS[0]] + [REGISTER_DEQUANT_3_REGISTERS[1]] * 3,
-                     "mosaic_sm90 register_dequant with 3 compute warpgroups")
 ALTERNATE_MAX_ROWS = 16
 LOOKAHEAD = True
 # make_plan's fp8 plan at REGISTER_DEQUANT_ROWS rows a CTA (None: never by default): register_dequant, with its
@@ -202,15 +182,10 @@ SHARED_LOOP = True
 # b128 L4096, CUPTI kernel µs, the same run: every page L2-resident 93.0 against 96.7, ragged [1, 2L] 146.3 against
 # 148.3, HBM-bound 130.1 against 129.7, b32 L16384 134.2 against 133.6 (NOTES.md)
 SCALE_ON_S = True
-# alternate pages' lazy rescale (Plan.lazy_rescale) by default, and the rise of a column's max (log2 units) a page
-# absorbs without rescaling: P up to 2^8 in f16 (FlashAttention-4 takes the same 8). Off: in the same run it bought
-# nothing on top of scale_on_s (L2-resident 92.9 against 93.0) and lost alone on ragged lengths (152.2 against 148.3)
-LAZY_RESCALE = False
-RESCALE_SLACK = 8.0
 
 
 def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_dequant: bool = False,
-                alternate: bool = False, register_dequant: bool = False, compute_warpgroups: int = 2) -> int:
+                alternate: bool = False, register_dequant: bool = False) -> int:
   q = n * (LATENT_DIM + ROPE_DIM) * 2
   if fp8 and not producer_dequant:
     # the e4m3 ring; the f16 page the compute warpgroups convert into (none with register_dequant)
@@ -220,10 +195,10 @@ def _smem_bytes(n: int, stages: int, fp8: bool, split_p: bool = False, producer_
     ring = stages * (PAGE * LATENT_DIM * 2 + PAGE * ROPE_DIM * 2)
   # score swap; alternate: a handing warpgroup's max and sums (register_dequant: both in one [64, n] array)
   exchange = (1 if register_dequant else 2) * PAGE * n * 4
-  p = compute_warpgroups * n * PAGE * 2 * (2 if split_p else 1)
-  # alternate: the handed-over O^T (one at a time), and a reduction scratch region for each compute warpgroup past
-  # the first (each warpgroup reduces its own values)
-  extra = LATENT_DIM * n * 4 + (compute_warpgroups - 1) * _reduction_scratch_bytes(n) if alternate else 0
+  p = 2 * n * PAGE * 2 * (2 if split_p else 1)
+  # alternate: the handed-over O^T, and a reduction scratch region for warpgroup 1 (each warpgroup reduces its own
+  # values)
+  extra = LATENT_DIM * n * 4 + _reduction_scratch_bytes(n) if alternate else 0
   return q + ring + exchange + p + _reduction_scratch_bytes(n) + extra + 1024
 
 
@@ -262,8 +237,7 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
               alternate: bool | None = None, lookahead: bool | None = None,
               producer_registers: int | None = None, compute_registers: int | None = None,
               register_dequant: bool | None = None, loads_first: bool | None = None,
-              compute_warpgroups: int | None = None, shared_loop: bool | None = None,
-              scale_on_s: bool | None = None, lazy_rescale: bool | None = None) -> Plan:
+              shared_loop: bool | None = None, scale_on_s: bool | None = None) -> Plan:
   """Picks N, G, the split-KV width and the ring depth (deepest that fits SMEM, at most 4).
 
   split_p defaults to True for a bf16 cache. P rounded to bf16 (FlashMLA's choice) errs by up to 2^-9 sum p|v| / l
@@ -278,10 +252,9 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   split, checked against what the CTA launches with.
   register_dequant (fp8, at most 16 rows a CTA): alternate pages with no f16 page (Plan.register_dequant; None: on
   at REGISTER_DEQUANT_ROWS rows a CTA unless num_stages or an option of the converting producers' plan is given);
-  it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it, and so do 3
-  compute_warpgroups (None: 2; Plan.compute_warpgroups). shared_loop (Plan.shared_loop; None: SHARED_LOOP with
-  register_dequant, else off) needs alternate. scale_on_s (Plan.scale_on_s; None: SCALE_ON_S with register_dequant)
-  needs register_dequant. lazy_rescale (Plan.lazy_rescale; None: LAZY_RESCALE with alternate) needs alternate.
+  it excludes producer_dequant and its options; loads_first (Plan.loads_first) needs it. shared_loop
+  (Plan.shared_loop; None: SHARED_LOOP with register_dequant, else off) needs alternate. scale_on_s
+  (Plan.scale_on_s; None: SCALE_ON_S with register_dequant) needs register_dequant.
   """
   max_n = rows_per_cta or MAX_ROWS_PER_CTA
   if max_n % 8 or not 8 <= max_n <= 32:
@@ -298,12 +271,6 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if shared_loop is None:
     shared_loop = SHARED_LOOP and register_dequant
   loads_first = bool(loads_first)
-  cw = 2 if compute_warpgroups is None else compute_warpgroups
-  if cw not in (2, 3) or isinstance(cw, bool):
-    raise ValueError(f"mosaic_sm90: compute_warpgroups must be 2 or 3, got {compute_warpgroups!r}")
-  if cw == 3 and not register_dequant:
-    raise ValueError("mosaic_sm90: three compute warpgroups (three pages in flight) need register_dequant: the "
-                     "f16 ring of the other plans has no room for a third slot; pass register_dequant=True")
   scale_on_s = (SCALE_ON_S and register_dequant) if scale_on_s is None else bool(scale_on_s)
   if scale_on_s and not register_dequant:
     raise ValueError("mosaic_sm90: scale_on_s applies register_dequant's QK scales to S; pass register_dequant=True")
@@ -319,11 +286,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
       raise ValueError("mosaic_sm90: register_dequant has one TMA producer and no f16 page: producer_dequant, "
                        "producers, lookahead and the producers' register split do not apply, and it always takes "
                        "alternate pages")
-    if num_stages not in (None, cw) and not (cw == 2 and num_stages == 4):
-      raise ValueError(f"mosaic_sm90: register_dequant gives each of its {cw} compute warpgroups one slot of a "
-                       f"{cw}-slot ring{' or two of a 4-slot ring' if cw == 2 else ''}; got num_stages={num_stages}")
+    if num_stages not in (None, 2, 4):
+      raise ValueError(f"mosaic_sm90: register_dequant gives each of its 2 compute warpgroups one slot of a 2-slot "
+                       f"ring or two of a 4-slot ring; got num_stages={num_stages}")
     if num_stages is None:
-      num_stages = REGISTER_DEQUANT_STAGES if cw == 2 else cw
+      num_stages = REGISTER_DEQUANT_STAGES
     producer_dequant, producers, lookahead = False, 1, False
     # its TMA producer may ask pages ahead into L2
     l2_prefetch = REGISTER_DEQUANT_L2_PREFETCH_PAGES if l2_prefetch is None else l2_prefetch
@@ -343,8 +310,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
                      "(its TMA producer otherwise streams pages ahead through a deeper ring)")
   if producers is None:
     producers = 2 if producer_dequant and n == TWO_PRODUCERS_ROWS else 1
-  if producers not in (1, 2, 4) or isinstance(producers, bool):
-    raise ValueError(f"mosaic_sm90: producers must be 1, 2 or 4, got {producers!r}")
+  if producers not in (1, 2) or isinstance(producers, bool):
+    raise ValueError(f"mosaic_sm90: producers must be 1 or 2, got {producers!r}")
   if producers > 1 and not (producer_dequant and n <= 16):
     raise ValueError(f"mosaic_sm90: producers={producers} splits producer_dequant's page conversion between "
                      f"{producers} warpgroups; it needs producer_dequant (fp8) and at most 16 rows a CTA "
@@ -371,11 +338,11 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   if num_parts is None:
     num_parts = max(1, _num_sms() // groups)
   fits = lambda stages: _smem_bytes(n, stages, fp8, split_p, producer_dequant, alternate,
-                                    register_dequant, cw) <= SMEM_LIMIT
+                                    register_dequant) <= SMEM_LIMIT
   if num_stages is None:
-    num_stages = cw if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
+    num_stages = 2 if alternate else max((s for s in range(1, 5) if fits(s)), default=0)
   if num_stages < 1 or not fits(num_stages):
-    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant, cw)
+    need = _smem_bytes(n, max(num_stages, 1), fp8, split_p, producer_dequant, alternate, register_dequant)
     raise ValueError(f"mosaic_sm90: {num_stages} page stages with {n} rows per CTA need {need} bytes of SMEM, over "
                      f"{SMEM_LIMIT}")
   register_split = None
@@ -388,12 +355,8 @@ def make_plan(rows: int, fp8: bool, *, num_parts: int | None = None, num_stages:
   plan = Plan(rows=rows, n=n, groups=groups, num_parts=int(num_parts), num_stages=int(num_stages), fp8=fp8,
               split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
               producers=producers, alternate=alternate, lookahead=lookahead, register_split=register_split,
-              register_dequant=register_dequant, loads_first=loads_first, compute_warpgroups=cw,
-              shared_loop=bool(shared_loop), scale_on_s=scale_on_s,
-              lazy_rescale=(LAZY_RESCALE and alternate) if lazy_rescale is None else bool(lazy_rescale))
-  if plan.lazy_rescale and not plan.alternate:
-    raise ValueError("mosaic_sm90: lazy_rescale is the alternate pages' softmax (register_dequant, or producer_dequant "
-                     "at 16 rows a CTA); it needs alternate")
+              register_dequant=register_dequant, loads_first=loads_first, shared_loop=bool(shared_loop),
+              scale_on_s=scale_on_s)
   if plan.shared_loop and not plan.alternate:
     raise ValueError("mosaic_sm90: shared_loop runs the compute warpgroups of alternate pages from one copy of "
                      "their code; it needs alternate (producer_dequant at 16 rows a CTA, or register_dequant)")
@@ -488,8 +451,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
   n, g_count, parts, stages, fp8 = plan.n, plan.groups, plan.num_parts, plan.num_stages, plan.fp8
   pd = fp8 and plan.producer_dequant             # the producer converts: an f16 ring, no fp8 slot, no kbuf
   rd = plan.register_dequant                      # the compute warpgroups convert into registers: no kbuf
-  producers = plan.producers
-  cw = plan.compute_warpgroups                    # compute warpgroups 0 .. cw - 1; producers cw, cw + 1, ..
+  producers = plan.producers                      # warpgroups 0, 1 compute; the producers follow
   entries = parts + batch
   dt = jnp.float16 if fp8 else jnp.bfloat16        # dtype of the latent MMAs (Q nope, K/V tile, P)
   scale_log2 = float(softmax_scale) * LOG2E
@@ -509,7 +471,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       scratch.update(kbuf=plgpu.SMEM((2, PAGE, HALF), jnp.float16, transforms=SWZ16))
     elif interpret:
       # interpret mode has no A operand in registers: each compute warpgroup's converted operand goes through SMEM
-      scratch.update(a_smem=plgpu.SMEM((cw, PAGE, CHUNK), jnp.float16, transforms=SWZ16))
+      scratch.update(a_smem=plgpu.SMEM((2, PAGE, CHUNK), jnp.float16, transforms=SWZ16))
   else:
     scratch.update(
         ring_lat=plgpu.SMEM((stages, 2, PAGE, HALF), dt, transforms=SWZ16),
@@ -518,22 +480,20 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       # score swap; alternate: a handing warpgroup's row maxima and sums at a segment's end (broadcast over 64 rows;
       # register_dequant: the maxima in rows 0-31 of one array, the sums in rows 32-63)
       sx=plgpu.SMEM((1 if rd else 2, PAGE, n), jnp.float32),
-      pbuf=plgpu.SMEM((cw, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),   # P [wg, hi|lo]
+      pbuf=plgpu.SMEM((2, 2 if plan.split_p else 1, n, PAGE), dt, transforms=SWZ16),    # P [wg, hi|lo]
       # a page landed: its TMA copies (latent halves, rope, fp8 scales), or (producer_dequant) the producer's
       # converted stores and the rope's TMA
       loaded=plgpu.Barrier(num_arrivals=1 + producers if pd else 4 if fp8 else 3, num_barriers=stages),
       # ring slot free again (alternate: released by the one warpgroup that read it)
       consumed=plgpu.Barrier(num_arrivals=1 if plan.alternate else 2, num_barriers=stages))
   if plan.alternate:
-    # (with 3 compute warpgroups one barrier of each a handing warpgroup: 1, 2 -> .at[0], .at[1])
-    hand_barrier = lambda: plgpu.Barrier(num_arrivals=1, **({} if cw == 2 else dict(num_barriers=cw - 1)))
     if plan.shared_loop:
       # each compute warpgroup's cross-warp reductions, all of them (the kernel reserves no Mosaic scratch)
-      scratch.update(red=plgpu.SMEM((cw, _reduction_scratch_bytes(n) // 4), jnp.float32))
+      scratch.update(red=plgpu.SMEM((2, _reduction_scratch_bytes(n) // 4), jnp.float32))
     scratch.update(
-        obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # a handing warpgroup's O^T
-        handed=hand_barrier(),                                                     # its state written
-        taken=hand_barrier())                                                      # ... and read by warpgroup 0
+        obuf=plgpu.SMEM((LATENT_DIM, n), jnp.float32),                             # warpgroup 1's O^T
+        handed=plgpu.Barrier(num_arrivals=1),                                      # its state written
+        taken=plgpu.Barrier(num_arrivals=1))                                       # ... and read by warpgroup 0
   else:
     scratch.update(
         xbar=plgpu.Barrier(num_arrivals=2),                                        # scores written
@@ -585,19 +545,18 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
       pl.when(n_valid >= PAGE)(lambda: convert(False))
       pl.when(n_valid < PAGE)(lambda: convert(True))
 
-    def produce_converted_pages(mine: tuple[int, ...], tiles: tuple[int, ...] | None = None):
+    def produce_converted_pages(mine: tuple[int, ...]):
       """producer_dequant: every page of the share, in order, into f16 ring slot c % stages: the e4m3 latent
       halves `mine` from GMEM (the first, or both, loaded before the slot's wait), converted and stored by this
       warpgroup; the rope by TMA (from the producer that owns half 0); with l2_prefetch, the pages that far ahead
       are read from the table (a queue in the loop carry, so no load waits on the table) and their halves `mine`
-      brought into L2 by TMA. tiles: only these [64, 128] column tiles of the half `mine` (four producers, one
-      tile each); None: the halves whole."""
+      brought into L2 by TMA."""
       plgpu.set_max_registers(plan.registers[0], action="decrease")
       ahead = plan.l2_prefetch
       lookahead = plan.lookahead
       whole_page_ahead = n <= 16              # see producer_dequant_registers
-      rope_here = 0 in mine and (tiles is None or 0 in tiles)
-      load = lambda pg, h: load_fp8_part(lat_ref, sc_ref, pg, h, col_tiles=tiles)
+      rope_here = 0 in mine
+      load = lambda pg, h: load_fp8_part(lat_ref, sc_ref, pg, h)
 
       page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
@@ -605,11 +564,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         @pl.when(j < hi)
         def _():
           for h in mine:
-            if tiles is None:
-              plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
-            else:
-              for t in tiles:
-                plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(t * FP8_TILE, FP8_TILE)])
+            plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
           if rope_here:
             plgpu.async_prefetch(sc_ref.at[pg])
 
@@ -650,7 +605,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               ring_lat[slot_z, h, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
             if h not in parts:
               parts[h] = load(pg, h)
-            convert_fp8_part(parts[h], h, length - j * PAGE, store, col_tiles=tiles)
+            convert_fp8_part(parts[h], h, length - j * PAGE, store)
           if ahead:
             prefetch(new, j + ahead, hi)
             queue = queue[1:] + (new,)
@@ -669,20 +624,19 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         def _():
           plgpu.barrier_wait(consumed.at[lax.rem(done + i, stages)])
 
-    # -------- warpgroup 2 (and 3 with two producers, each converting one latent half, or 3-5 with four, one column
-    # tile each): the page producer --------
-    def converted_share(k: int):
-      """(latent halves, column tiles or None) producer k converts."""
-      return {1: ((0, 1), None), 2: ((k,), None), 4: ((k // 2,), (k,))}[producers]
+    # -------- warpgroup 2 (and 3 with two producers, each converting one latent half): the page producer --------
+    def converted_halves(k: int):
+      """The latent halves producer k converts."""
+      return (0, 1) if producers == 1 else (k,)
 
     def producer():
       if pd:
-        return produce_converted_pages(*converted_share(0))
+        return produce_converted_pages(converted_halves(0))
       produce_pages(b_first=b_first, b_last=b_last, seq_pages=seq_pages, bt_ref=bt_ref, lat_ref=lat_ref,
                     rope_ref=rope_ref, sc_ref=sc_ref if fp8 else None, ring_lat=ring_lat, ring_rope=ring_rope,
                     ring_sc=ring_sc, loaded=loaded, consumed=consumed, stages=stages, num_pages=num_pages,
                     half=HALF, l2_prefetch=plan.l2_prefetch if rd else 0,
-                    registers=REGISTER_DEQUANT_3_REGISTERS[0] if cw == 3 else TMA_PRODUCER_REGISTERS)
+                    registers=TMA_PRODUCER_REGISTERS)
 
     # -------- warpgroups 0, 1: scores, softmax, P.V over one half of the latent dims --------
     def compute(w: int):
@@ -819,18 +773,15 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
         plgpu.barrier_wait(xread)            # the last swap's read-release, so no phase is left pending
 
     def compute_alternate(w):
-      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % cw == w (ring slot c % stages: w,
+      """Plan.alternate: warpgroup w takes the pages c of the CTA's walk with c % 2 == w (ring slot c % stages: w,
       or w and w + 2 in register_dequant's 4-slot ring), each whole:
-      S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroups
-      cw - 1, .., 1 hand (max, row sums, O^T) to warpgroup 0 in turn through one set of SMEM buffers; warpgroup 0
-      merges each with its own and writes the partial. Mosaic's cross-warp reductions (each page's max, the row
-      sums) share one SMEM scratch region; the warpgroups reduce different values at unrelated times here, so
-      warpgroup k runs inside k nested scoped allocations that move its reductions to a region of its own.
-      Plan.shared_loop: w is the run-time warpgroup index (one traced copy for all of them) and each warpgroup
-      reduces through its own region of `red`."""
-      registers = (REGISTER_DEQUANT_3_REGISTERS[1] if cw == 3 else COMPUTE_REGISTERS) if rd else plan.registers[1]
-      plgpu.set_max_registers(registers, action="increase")
-      hand_bar = lambda ref, k: ref if cw == 2 else ref.at[k - 1]   # warpgroup k's hand-over barrier
+      S^T over all 576 dims, its own online softmax, O^T [512, N] += V^T P^T. At the end of a segment warpgroup 1
+      hands (max, row sums, O^T) to warpgroup 0 through SMEM; warpgroup 0 merges it with its own and writes the
+      partial. Mosaic's cross-warp reductions (each page's max, the row sums) share one SMEM scratch region; the
+      warpgroups reduce different values at unrelated times here, so warpgroup 1 runs inside a scoped allocation
+      that moves its reductions to a region of its own. Plan.shared_loop: w is the run-time warpgroup index (one
+      traced copy for both) and each warpgroup reduces through its own region of `red`."""
+      plgpu.set_max_registers(COMPUTE_REGISTERS if rd else plan.registers[1], action="increase")
 
       def branch(cond, f):
         """f() where cond holds: a Python bool (w a trace-time constant) or a traced one (Plan.shared_loop)"""
@@ -915,7 +866,7 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
           def page(i, carry):
             acc, m_i, l_acc = carry
-            j = first + cw * i
+            j = first + 2 * i
             # = w; with register_dequant's 4-slot ring w or w + 2 (each warpgroup waits for every phase of its
             # two slots' barriers)
             slot = lax.rem(ctr + (j - lo), stages)
@@ -954,25 +905,11 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               s = pl.run_scoped(qk, plgpu.ACC((PAGE, n), jnp.float32)) * scale_log2
             s = jnp.where(j * PAGE + row_iota < limit, s, -jnp.inf)
             m_page = over_rows("max", s)
-            if plan.lazy_rescale:
-              # rescale O^T and the sums only where a column's max rose past the reference by the slack
-              rise = (m_page > m_i + RESCALE_SLACK).astype(jnp.float32)
-              need = any_positive(rise) if on_gpu else jnp.max(rise).astype(jnp.int32)
-
-              def rescale(state):
-                acc, l_acc, m_ref = state
-                m_new = jnp.maximum(m_ref, m_page)
-                alpha = jnp.exp2(m_ref - safe(m_new))
-                return acc * bcast(alpha, acc.shape), l_acc * bcast(alpha, l_acc.shape), m_new
-
-              acc, l_acc, m_new = lax.cond(need > 0, rescale, lambda state: state, (acc, l_acc, m_i))
-              m_use, alpha = safe(m_new), None              # O^T and the sums are already on m_new's scale
-            else:
-              m_new = jnp.maximum(m_i, m_page)
-              m_use = safe(m_new)
-              alpha = jnp.exp2(m_i - m_use)
+            m_new = jnp.maximum(m_i, m_page)
+            m_use = safe(m_new)
+            alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s - bcast(m_use, s.shape))
-            l_acc = l_acc + p if alpha is None else l_acc * bcast(alpha, l_acc.shape) + p
+            l_acc = l_acc * bcast(alpha, l_acc.shape) + p
             pbuf.at[w, 0].T[...] = p.astype(dt)
             plgpu.commit_smem()
 
@@ -999,19 +936,18 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
               plgpu.wgmma_wait(0)
 
             if on_gpu:
-              # onto the rescaled O in place (a second [512, N] accumulator would not fit the registers;
-              # lazy_rescale: already rescaled, where it was)
-              acc = pl.run_state(pv)(plgpu.ACC.init(acc if alpha is None else acc * bcast(alpha, acc.shape)))
+              # onto the rescaled O in place (a second [512, N] accumulator would not fit the registers)
+              acc = pl.run_state(pv)(plgpu.ACC.init(acc * bcast(alpha, acc.shape)))
             else:
               # interpret mode runs no preinitialized accumulator: a fresh one, added to the rescaled O
               o_page = pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((LATENT_DIM, n), jnp.float32))
-              acc = (acc if alpha is None else acc * bcast(alpha, acc.shape)) + o_page
+              acc = acc * bcast(alpha, acc.shape) + o_page
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, l_acc
 
-          # this warpgroup's first page of the segment: page c of the walk (c = ctr + j - lo) with c % cw == w
-          first = lo + (lax.rem(ctr + w, 2) if cw == 2 else lax.rem(w - lax.rem(ctr, cw) + cw, cw))
-          count = jnp.maximum(hi - first + cw - 1, 0) // cw
+          # this warpgroup's first page of the segment: page c of the walk (c = ctr + j - lo) with c % 2 == w
+          first = lo + lax.rem(ctr + w, 2)
+          count = jnp.maximum(hi - first + 1, 0) // 2
           acc0 = plgpu.layout_cast(jnp.zeros((LATENT_DIM, n), jnp.float32), plgpu.Layout.WGMMA)
           m0 = plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
           l0 = plgpu.layout_cast(jnp.zeros((PAGE, n), jnp.float32), plgpu.Layout.WGMMA)
@@ -1019,36 +955,32 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
           l_i = over_rows("add", l_acc)
 
           def hand_over():
-            # the buffers are free once warpgroup 0 read the hand-over before this one: warpgroup w + 1's of this
-            # segment, or (the last warpgroup) warpgroup 1's of the previous segment
-            branch(w < cw - 1, lambda: plgpu.barrier_wait(hand_bar(taken, w + 1)))
-            branch(w == cw - 1, lambda: pl.when(ctr > 0)(lambda: plgpu.barrier_wait(hand_bar(taken, 1))))
+            # the buffers are free once warpgroup 0 read the previous segment's hand-over
+            pl.when(ctr > 0)(lambda: plgpu.barrier_wait(taken))
             if rd:                                            # m in rows 0-31, l in rows 32-63
               sx[0] = jnp.where(row_iota < PAGE // 2, bcast(m_i, (PAGE, n)), bcast(l_i, (PAGE, n)))
             else:
               sx[0] = bcast(m_i, (PAGE, n))
               sx[1] = bcast(l_i, (PAGE, n))
             obuf[...] = acc
-            plgpu.barrier_arrive(hand_bar(handed, w))
+            plgpu.barrier_arrive(handed)
 
           def merge_and_write(acc, m_i, l_i):
-            for k in range(cw - 1, 0, -1):
-              plgpu.barrier_wait(hand_bar(handed, k))
-              if rd:
-                both = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA)
-                m_k = over_rows("max", jnp.where(row_iota < PAGE // 2, both, -jnp.inf))
-                l_k = over_rows("max", jnp.where(row_iota < PAGE // 2, -jnp.inf, both))
-              else:
-                m_k = over_rows("max", plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA))
-                l_k = over_rows("max", plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA))
-              m = jnp.maximum(m_i, m_k)
-              m_use = jnp.where(m == -jnp.inf, 0.0, m)
-              a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)
-              acc = (acc * bcast(a_0, acc.shape)
-                     + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_k, acc.shape))
-              plgpu.barrier_arrive(hand_bar(taken, k))
-              m_i, l_i = m, a_0 * l_i + a_k * l_k
-            m, l = m_i, l_i
+            plgpu.barrier_wait(handed)
+            if rd:
+              both = plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA)
+              m_k = over_rows("max", jnp.where(row_iota < PAGE // 2, both, -jnp.inf))
+              l_k = over_rows("max", jnp.where(row_iota < PAGE // 2, -jnp.inf, both))
+            else:
+              m_k = over_rows("max", plgpu.load(sx.at[0], layout=plgpu.Layout.WGMMA))
+              l_k = over_rows("max", plgpu.load(sx.at[1], layout=plgpu.Layout.WGMMA))
+            m = jnp.maximum(m_i, m_k)
+            m_use = jnp.where(m == -jnp.inf, 0.0, m)
+            a_0, a_k = jnp.exp2(m_i - m_use), jnp.exp2(m_k - m_use)
+            acc = (acc * bcast(a_0, acc.shape)
+                   + plgpu.load(obuf, layout=plgpu.Layout.WGMMA) * bcast(a_k, acc.shape))
+            plgpu.barrier_arrive(taken)
+            l = a_0 * l_i + a_k * l_k
             seen = l > 0
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
             eg = (part + b) * g_count + grp     # partial entry (share + sequence) of this head group
@@ -1062,26 +994,21 @@ def _build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, so
 
       done = lax.fori_loop(b_first, b_last + 1, seg, jnp.int32(0))
       # the last hand-over read: no phase left pending
-      branch(w == cw - 1, lambda: pl.when(done > 0)(lambda: plgpu.barrier_wait(hand_bar(taken, 1))))
+      branch(w == 1, lambda: pl.when(done > 0)(lambda: plgpu.barrier_wait(taken)))
 
     if plan.shared_loop:
       # one copy of the compute warpgroups' code, the warpgroup index at run time
-      pl.when(wg < cw)(lambda: compute_alternate(wg))
+      pl.when(wg < 2)(lambda: compute_alternate(wg))
     elif plan.alternate:
-      # warpgroups 1 .. cw - 1 first, warpgroup k inside k nested scoped SMEM allocations the size of the reduction
-      # scratch: its reductions then use the k-th region after the start, warpgroup 0's the region at the start.
-      # (A scoped SMEM allocation is made by every warpgroup, behind a CTA-wide barrier at its entry, so every
-      # entry comes before any warpgroup waits on another: the deepest scope's warpgroup is traced first.)
-      def scoped(k: int):
-        def body(_):
-          if k + 1 < cw:
-            scoped(k + 1)
-          pl.when(wg == k)(functools.partial(compute_alternate, k))
-        pl.run_scoped(body, plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
-      scoped(1)
-    pl.when(wg == cw)(producer)
+      # warpgroup 1 first, inside a scoped SMEM allocation the size of the reduction scratch: its reductions then
+      # use the region after the start, warpgroup 0's the region at the start. (A scoped SMEM allocation is made by
+      # every warpgroup, behind a CTA-wide barrier at its entry, so the entry comes before any warpgroup waits on
+      # another.)
+      pl.run_scoped(lambda _: pl.when(wg == 1)(functools.partial(compute_alternate, 1)),
+                    plgpu.SMEM((_reduction_scratch_bytes(n) // 4,), jnp.float32), collective_axes="wg")
+    pl.when(wg == 2)(producer)
     for k in range(1, producers):
-      pl.when(wg == cw + k)(functools.partial(produce_converted_pages, *converted_share(k)))
+      pl.when(wg == 2 + k)(functools.partial(produce_converted_pages, converted_halves(k)))
     if not plan.alternate:
       for w in range(2):
         pl.when(wg == w)(functools.partial(compute, w))
@@ -1241,15 +1168,13 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                num_stages: int | None = None, rows_per_cta: int | None = None,
                split_p: bool | None = None, schedule=None, kernel: str = "auto",
                prefetch_tiles: int | None = None, rebase_per_page: bool | None = None,
-               registers: dict | None = None, early_p0: bool | None = None,
-               crossover: bool | str | None = None, l2_prefetch: int | None = None,
+               registers: dict | None = None, early_p0: bool | None = None, l2_prefetch: int | None = None,
                producer_dequant: bool | None = None, producers: int | None = None,
                direct_write: bool | None = None, b0_before_a1: bool | None = None, p0_first: bool | None = None,
                tile_release: tuple[str, ...] | None = None, alternate: bool | None = None,
                lookahead: bool | None = None, register_dequant: bool | None = None,
-               loads_first: bool | None = None, compute_warpgroups: int | None = None,
-               shared_loop: bool | None = None, scale_on_s: bool | None = None,
-               lazy_rescale: bool | None = None, q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               loads_first: bool | None = None, shared_loop: bool | None = None, scale_on_s: bool | None = None,
+               q_rope: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [B, Sq, H, 576] bf16 -> out [B, Sq, H, 512] bf16, lse f32 [B, H, Sq]. Inputs validated by api.py. q_rope:
   Q's two parts apart, q [B, Sq, H, 512] and q_rope [B, Sq, H, 64] (api.mla_decode's q_rope).
 
@@ -1262,9 +1187,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   mosaic_sm90_rows.Plan). registers: the seesaw kernel's register split, {"producer_registers": n,
   "compute_registers": n} (None: mosaic_sm90_seesaw.REGISTERS), or the swapped kernel's with producer_dequant
   (make_plan). early_p0: the seesaw kernel's warpgroup 0 hands P0 to warpgroup 1 while its own P0 V0_L is in flight
-  (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). crossover: the seesaw kernel with an fp8
-  cache runs two row groups' CTAs as a cluster whose producers each convert half of every page for both: True or
-  "stores", "st_async" (mosaic_sm90_seesaw.Plan.crossover; None: off). l2_prefetch: page pairs ahead the seesaw
+  (mosaic_sm90_seesaw.Plan.early_p0; None: on for a bf16 cache, off for fp8). l2_prefetch: page pairs ahead the seesaw
   kernel's producer prefetches into L2 (mosaic_sm90_seesaw.Plan; None: its default), or pages ahead for the swapped
   kernel with producer_dequant. producer_dequant: the swapped kernel with an fp8 cache has its producer warpgroup
   convert each page into an f16 ring (Plan.producer_dequant; None: make_plan's default). producers: 2
@@ -1280,11 +1203,9 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   next page before converting this one (Plan.lookahead; None: LOOKAHEAD). register_dequant: the swapped kernel with an
   fp8 cache converts each page into its compute warpgroups' wgmma A registers, with no f16 page (Plan.register_dequant;
   None: make_plan's default); loads_first: its shared-memory loads of a product issued before the first conversion
-  (Plan.loads_first; None: off); compute_warpgroups: 3 runs register_dequant with three compute warpgroups, three
-  pages in flight (Plan.compute_warpgroups; None: 2); shared_loop: the compute warpgroups of alternate pages run
-  one copy of their code (Plan.shared_loop; None: on with register_dequant); scale_on_s: register_dequant's QK
-  scales applied to S, one accumulator a scale tile (Plan.scale_on_s; None: SCALE_ON_S); lazy_rescale: alternate
-  pages rescale O only where a column's max rose past RESCALE_SLACK (Plan.lazy_rescale; None: LAZY_RESCALE).
+  (Plan.loads_first; None: off); shared_loop: the compute warpgroups of alternate pages run one copy of their code
+  (Plan.shared_loop; None: on with register_dequant); scale_on_s: register_dequant's QK scales applied to S, one
+  accumulator a scale tile (Plan.scale_on_s; None: SCALE_ON_S).
   """
   if cache.page_size != PAGE:
     raise ValueError(f"mosaic_sm90 needs page_size {PAGE}, got {cache.page_size}; use backend='triton' or 'xla'")
@@ -1299,20 +1220,18 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
     if (rows_per_cta is not None or split_p is not None or prefetch_tiles is not None or rebase_per_page is not None
         or producer_dequant is not None or producers is not None or alternate is not None
         or lookahead is not None or register_dequant is not None or loads_first is not None
-        or compute_warpgroups is not None or shared_loop is not None or scale_on_s is not None
-        or lazy_rescale is not None):
+        or shared_loop is not None or scale_on_s is not None):
       raise ValueError("mosaic_sm90: the seesaw kernel does not take rows_per_cta / split_p / producer_dequant / "
-                       "producers / alternate / lookahead / register_dequant / loads_first / compute_warpgroups / "
-                       "shared_loop / scale_on_s / lazy_rescale (the swapped kernel's) or prefetch_tiles / "
-                       "rebase_per_page (the rows kernel's)")
+                       "producers / alternate / lookahead / register_dequant / loads_first / shared_loop / "
+                       "scale_on_s (the swapped kernel's) or prefetch_tiles / rebase_per_page (the rows kernel's)")
     return _mla_decode_rows(q, cache, block_table, seq_lens, softmax_scale=softmax_scale, causal=causal,
                             interpret=interpret, num_parts=num_parts, num_stages=num_stages, schedule=schedule,
-                            kernel="seesaw", early_p0=early_p0, crossover=crossover, l2_prefetch=l2_prefetch,
+                            kernel="seesaw", early_p0=early_p0, l2_prefetch=l2_prefetch,
                             direct_write=direct_write, b0_before_a1=b0_before_a1, p0_first=p0_first,
                             tile_release=tile_release, q_rope=q_rope, **(registers or {}))
-  if (early_p0 is not None or crossover is not None or direct_write is not None
+  if (early_p0 is not None or direct_write is not None
       or b0_before_a1 is not None or p0_first is not None or tile_release is not None):
-    raise ValueError("mosaic_sm90: early_p0, crossover, direct_write, b0_before_a1, p0_first and tile_release "
+    raise ValueError("mosaic_sm90: early_p0, direct_write, b0_before_a1, p0_first and tile_release "
                      "apply to the seesaw kernel (kernel='seesaw')")
   if registers is not None and (which != "swapped"
                                 or not set(registers) <= {"producer_registers", "compute_registers"}):
@@ -1321,13 +1240,10 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
                      f"{which} kernel")
   if which != "swapped" and (l2_prefetch is not None or producer_dequant is not None or producers is not None
                              or alternate is not None or lookahead is not None or register_dequant is not None
-                             or loads_first is not None or compute_warpgroups is not None
-                             or shared_loop is not None or scale_on_s is not None
-                             or lazy_rescale is not None):
+                             or loads_first is not None or shared_loop is not None or scale_on_s is not None):
     raise ValueError("mosaic_sm90: l2_prefetch applies to the seesaw kernel and, with producer_dequant (and "
                      "producers, alternate, lookahead), to the swapped kernel, as does register_dequant (and "
-                     "loads_first, compute_warpgroups, shared_loop, scale_on_s, lazy_rescale) (kernel='seesaw' or "
-                     "'swapped')")
+                     "loads_first, shared_loop, scale_on_s) (kernel='seesaw' or 'swapped')")
   if which == "rows":
     if rows_per_cta is not None or split_p is not None:
       raise ValueError("mosaic_sm90: rows_per_cta and split_p apply to the swapped kernel only; the rows kernel "
@@ -1340,8 +1256,7 @@ def mla_decode(q: jax.Array, cache: MLAKVCache, block_table: jax.Array, seq_lens
   plan = make_plan(sq * heads, fp8, num_parts=num_parts, num_stages=num_stages, rows_per_cta=rows_per_cta,
                    split_p=split_p, producer_dequant=producer_dequant, l2_prefetch=l2_prefetch,
                    producers=producers, alternate=alternate, lookahead=lookahead, register_dequant=register_dequant,
-                   loads_first=loads_first, compute_warpgroups=compute_warpgroups, shared_loop=shared_loop,
-                   scale_on_s=scale_on_s, lazy_rescale=lazy_rescale, **(registers or {}))
+                   loads_first=loads_first, shared_loop=shared_loop, scale_on_s=scale_on_s, **(registers or {}))
   if interpret:
     gpu_interpret.check_cpu_threads(plan.num_warpgroups)     # else interpret mode can deadlock (gpu_interpret.py)
   lens, cu, sched, payload = _lens_and_schedule(block_table, seq_lens, num_parts=plan.num_parts, schedule=schedule,

@@ -34,12 +34,6 @@ slot; the rope still comes by TMA. So the dequant runs beside the compute warpgr
 before them (the rows kernel's fp8 bound, NOTES.md), and it has registers for it: 72 a thread against 40 (the
 compute warpgroups get 216 instead of 232; `REGISTERS`). Q's latent part and P are f16, as in the rows kernel.
 
-fp8 crossover (opt-in `crossover`, an even number of row groups, GPU only): the two row groups of a split-KV share
-already stream the same pages side by side, so they run as a 2-CTA cluster and each CTA's producer converts only its
-token half of every page part, storing it into its own slot and, at the same offsets, into the peer's (plain 16-byte
-stores into the peer and one cluster-wide arrival a part, or Mosaic's st.async); a part is free only when the
-consumers of both CTAs released it (cluster barriers). NOTES.md has the measurements (st.async: 1.8x slower).
-
 Direct write (`Plan.direct_write`, on by default: `DIRECT_WRITE`): a share that holds a sequence whole writes its
 normalized bf16 output and lse itself instead of f32 partials, and the merge kernel skips it (FlashMLA's scheme);
 with an fp8 cache the output leaves through the warpgroup's Q half of SMEM and a TMA store. The split schedule's
@@ -68,9 +62,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM
-from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, cluster_fence, convert_fp8_part, load_fp8_part,
-                                                    page_ahead, q_rope_of, share_of_part, split_vectors,
-                                                    start_q_latent, store_to_peer, SWZ16)
+from pallas_kernels.mla_decode.sm90_shared import (check_l2_prefetch, convert_fp8_part, load_fp8_part, page_ahead,
+                                                    q_rope_of, share_of_part, start_q_latent, SWZ16)
 from pallas_kernels.sm90_registers import check_register_split
 
 PAGE = 64                     # tokens per page
@@ -86,13 +79,11 @@ NUM_WARPGROUPS = 3
 # barriers: loaded A/B x 2 slots, consumed A/B x 2 slots, qbar, the four hand-offs, lbar
 _NUM_BARRIERS = 14
 
-
-CROSSOVER_EXCHANGES = ("", "stores", "st_async")
 # l2_prefetch's limit: 4 pairs of bf16 pages a CTA ahead is ~78 MB over 132 SMs, above the 50 MB L2
 MAX_L2_PREFETCH = 4
-# make_plan's l2_prefetch for an fp8 cache without crossover (jax 0.11.2, 51d1294, b128 h128 L4096, CUPTI kernel.
+# make_plan's l2_prefetch for an fp8 cache (jax 0.11.2, 51d1294, b128 h128 L4096, CUPTI kernel.
 # H100: 387.7 us off, 357.8 at 1 pair, 364.6 at 2, 384.1 at 3; the rows kernel 376.0. H200: 386.6 off, 358.6 at 1;
-# rows 372.0). Off for bf16 (TMA pages; H100: 301.0 off, 369.7 at 1) and with crossover (not timed together)
+# rows 372.0). Off for bf16 (TMA pages; H100: 301.0 off, 369.7 at 1)
 DEFAULT_L2_PREFETCH = 1
 # make_plan's direct_write by cache (fp8?). jax 0.11.2, one H100, CUPTI, whole call (kernel) µs, L4096, merging every
 # sequence -> direct. bf16 b128 h128 (a86969c): 331.3 (283.5) -> 321.3 (284.2): on. fp8 with the output stored from
@@ -114,7 +105,7 @@ B0_BEFORE_A1 = {False: False, True: True}
 # make_plan's p0_first by cache (fp8?). One H100, 42d71d3, whole call µs, default -> p0_first: fp8 b128 h128 340.6 ->
 # 346.3, b64 174.3 -> 179.9, Sq 2 699.9 -> 666.9, ragged 383.5 -> 392.3; bf16 280.7 -> 290.8: off (Sq 2 alone gains)
 P0_FIRST = {False: False, True: False}
-# the parts tile_release can name, and make_plan's default for an fp8 cache without crossover. One H100, jax 0.11.2,
+# the parts tile_release can name, and make_plan's default for an fp8 cache. One H100, jax 0.11.2,
 # e69250b / 5eb964b, L4096, CUPTI kernel µs, none -> ("b0",): b128 h128 329.8 -> 325.4 and 328.8 -> 325.7 (two runs),
 # b64 169.0 -> 166.9, Sq 2 676.7 -> 638.9, ragged [1, 2L] 363.4 -> 365.9 and 363.1 -> 362.0; ("a1", "b0") no better
 # than ("b0",) at b128 / b64 (325.9, 168.2)
@@ -143,13 +134,6 @@ class Plan:
   # on for a bf16 cache (H100, b128 h128 L4096: kernel 285.9 -> 284.5 us, Sq 2 496.5 -> 486.5), off for fp8 (not
   # timed; 4 B more spilled there)
   early_p0: bool = False
-  # fp8, an even number of row groups: the CTAs of two row groups run as a cluster of 2 (they stream the same pages
-  # side by side anyway) and each one's producer converts only its token half of every page, storing it into its
-  # own ring and, through distributed SMEM, into its peer's (FlashMLA's crossover). "" (off), "stores" (plain 16-byte
-  # stores into the peer, then one release a part: a cluster-wide arrival) or "st_async" (Mosaic's
-  # async_store_smem: 8-byte st.async whose bytes complete on the peer's barrier; 1.8x slower on an H200). GPU only:
-  # interpret mode cannot store into another CTA's SMEM, so there every CTA converts whole pages (the same values)
-  crossover: str = ""
   # pairs of pages ahead of the one it fills that the producer asks the TMA unit to bring into L2 (0: off). The fp8
   # producer reads each page part from GMEM into registers, and on an H100 (ncu, 14ec995) it spent its time waiting
   # for those loads and the block table's entry in front of them, one part after another, while the compute
@@ -180,8 +164,8 @@ class Plan:
 
   @property
   def smem_bytes(self) -> int:
-    # + the rope's own 2 barriers (crossover "stores"), + a barrier a part released by tile
-    return smem_bytes() + (16 if self.crossover == "stores" else 0) + 8 * len(self.tile_release)
+    # + a barrier a part released by tile
+    return smem_bytes() + 8 * len(self.tile_release)
 
 
 def smem_bytes() -> int:
@@ -197,8 +181,7 @@ def smem_bytes() -> int:
 
 def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stages: int | None = None,
               fp8: bool = False, producer_registers: int | None = None,
-              compute_registers: int | None = None, early_p0: bool | None = None,
-              crossover: bool | None = None, l2_prefetch: int | None = None,
+              compute_registers: int | None = None, early_p0: bool | None = None, l2_prefetch: int | None = None,
               direct_write: bool | None = None, b0_before_a1: bool | None = None,
               p0_first: bool | None = None, tile_release=None) -> Plan:
   if num_stages not in (None, 2):
@@ -213,29 +196,21 @@ def make_plan(rows: int, *, num_sms: int, num_parts: int | None = None, num_stag
   groups = -(-rows // ROWS)
   if num_parts is None:
     num_parts = max(1, num_sms // groups)
-  crossover = {None: "", False: "", True: "stores"}.get(crossover, crossover)
-  if crossover not in CROSSOVER_EXCHANGES:
-    raise ValueError(f"mosaic_sm90 seesaw kernel: crossover must be one of {CROSSOVER_EXCHANGES} or a bool, got "
-                     f"{crossover!r}")
-  if crossover and not (fp8 and groups % 2 == 0):
-    raise ValueError(f"mosaic_sm90 seesaw kernel: crossover pairs the CTAs of two row groups that convert one fp8 "
-                     f"page together; it needs an fp8 cache and an even number of 64-row groups (got "
-                     f"{'fp8' if fp8 else 'bf16'}, {groups} groups for {rows} rows)")
   if l2_prefetch is None:
-    l2_prefetch = DEFAULT_L2_PREFETCH if fp8 and not crossover else 0
+    l2_prefetch = DEFAULT_L2_PREFETCH if fp8 else 0
   l2_prefetch = check_l2_prefetch(l2_prefetch, MAX_L2_PREFETCH, "page pairs")
   if tile_release is None:
-    tile_release = TILE_RELEASE if fp8 and not crossover else ()
+    tile_release = TILE_RELEASE if fp8 else ()
   tile_release = tuple(sorted(set(tile_release))) if isinstance(tile_release, (tuple, list)) else tile_release
   if not isinstance(tile_release, tuple) or not set(tile_release) <= set(TILE_PARTS):
     raise ValueError(f"mosaic_sm90 seesaw kernel: tile_release is a tuple of page parts from {TILE_PARTS}, got "
                      f"{tile_release!r}")
-  if tile_release and not (fp8 and not crossover):
+  if tile_release and not fp8:
     raise ValueError("mosaic_sm90 seesaw kernel: tile_release splits the fp8 producer's conversion of a page part "
-                     "(an fp8 cache without crossover; a bf16 page comes by TMA whole)")
+                     "(an fp8 cache; a bf16 page comes by TMA whole)")
   return Plan(rows=rows, groups=groups, num_parts=int(num_parts), fp8=bool(fp8), producer_registers=producer,
               compute_registers=compute, early_p0=(not fp8) if early_p0 is None else bool(early_p0),
-              crossover=crossover, l2_prefetch=l2_prefetch,
+              l2_prefetch=l2_prefetch,
               direct_write=DIRECT_WRITE[bool(fp8)] if direct_write is None else bool(direct_write),
               b0_before_a1=B0_BEFORE_A1[bool(fp8)] if b0_before_a1 is None else bool(b0_before_a1),
               p0_first=P0_FIRST[bool(fp8)] if p0_first is None else bool(p0_first), tile_release=tile_release)
@@ -258,16 +233,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   on_gpu = interpret is False or interpret is None
   tma_out = direct and fp8 and on_gpu             # direct write through the Q half of SMEM and a TMA store
   early_p0 = plan.early_p0 and on_gpu             # interpret mode completes every wgmma as it is issued
-  # crossover (fp8): CTA x of a cluster pair converts token half x of every page part and stores it into both CTAs'
-  # rings; a part's `loaded` then also counts the peer's two stores, and a part is free only when the consumers of
-  # both CTAs released it (cluster barriers: each release arrives in both CTAs)
-  xo = bool(plan.crossover) and on_gpu
-  plain = xo and plan.crossover == "stores"
-  n_cluster = 2 if xo else 1
-  # st_async: the peer's two [32 tok, 128] f16 tile stores a part, each arriving with its bytes
-  peer_stores = 2 if xo and not plain else 0
-  cluster_barrier = lambda n, **kw: plgpu.ClusterBarrier(collective_axes=("x",), num_arrivals=n, **kw)
-  release = cluster_barrier if xo else (lambda n: plgpu.Barrier(num_arrivals=n))
+  release = lambda n: plgpu.Barrier(num_arrivals=n)
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=SWZ16),                 # Q latent, by half
@@ -276,14 +242,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       pbuf=plgpu.SMEM((2, ROWS, PAGE), dt, transforms=SWZ16),                   # P0 (rescaled) by [0], P1 by [1]
       stats=plgpu.SMEM((4, ROWS), jnp.float32),                                  # m0, m1, L0, L1
       # latent [0, 256) of slot s landed (bf16: its TMA; fp8: the producer's stores)
-      # (crossover: + the peer's two tile stores, each counted with its bytes)
-      # (stores: one cluster-wide arrival by each CTA's producer)
-      loaded_a=(cluster_barrier(1, num_barriers=2) if plain
-                else plgpu.Barrier(num_arrivals=1 + peer_stores, num_barriers=2)),
-      # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA; stores: the two
-      # producers' arrivals, the rope's TMA arriving on rope_loaded)
-      loaded_b=(cluster_barrier(1, num_barriers=2) if plain
-                else plgpu.Barrier(num_arrivals=2 + peer_stores, num_barriers=2)),
+      loaded_a=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA)
+      loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),
       # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
       consumed_a0=release(1),
       consumed_a1=release(2),
@@ -296,8 +257,6 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       p0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote P0 (and its QK is done)
       p1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote P1 (and its QK is done)
       lbar=plgpu.Barrier(num_arrivals=2))                                        # row sums written (segment done)
-  if plain:
-    scratch["rope_loaded"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)     # part B's rope, by TMA
   for part_name in plan.tile_release:     # the part's first column tile converted (the producer)
     scratch[f"loaded_{part_name}_tile"] = plgpu.Barrier(num_arrivals=1)
   if not on_gpu:
@@ -321,24 +280,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
     own_p, qr_smem = r.get("own_p"), r.get("qr_smem")
     wg = lax.axis_index("wg")
     part = lax.axis_index("part")
-    # crossover: the pair (x = 0, 1) of a cluster are row groups 2 g and 2 g + 1 of the same share
-    cx = lax.axis_index("x") if xo else 0
-    grp = lax.axis_index("g") * n_cluster + cx
+    grp = lax.axis_index("g")
     b_first, b_last, seq_pages = share_of_part(sched_ref, cu_ref, part)   # split_kv.schedule_kernel's share
 
-    rope_loaded = r.get("rope_loaded")
     # (what, slot) -> the barrier of the part's first column tile (tile_release)
     tile_loaded = {(n[0], int(n[1])): r[f"loaded_{n}_tile"] for n in plan.tile_release}
-
-    def wait_loaded(bar, rope_slot=None):
-      plgpu.barrier_wait(bar)
-      if rope_slot is not None and plain:
-        plgpu.barrier_wait(rope_loaded.at[rope_slot])
-      if plain:
-        cluster_fence()                   # acquire the peer's stores (it fenced them before its arrival)
-      if xo:
-        # the peer's stores are generic-proxy writes into this CTA's SMEM: fence them for the wgmmas that read them
-        plgpu.commit_smem()
 
     # -------- warpgroup 2: the producer. Pair i of a segment: page lo + 2i -> slot 0, lo + 2i + 1 -> slot 1. ----
     @pl.when(wg == 2)
@@ -353,72 +299,58 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         loaded = (loaded_b if what == "b" else loaded_a).at[slot]
         if fp8:
           tiles = fp8_tiles(pg, 0 if what == "a" else 1)   # loads issued before the wait: latency under it
-        # (crossover: the wait is on both CTAs' readers, since this producer also writes into the peer's slot)
 
         @pl.when(used > 0)
         def _():
           plgpu.barrier_wait(consumed[what, slot])
 
         if what == "b":
-          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], (rope_loaded if plain else loaded_b).at[slot])
+          plgpu.copy_gmem_to_smem(rope_ref.at[pg], ring_rope.at[slot], loaded_b.at[slot])
         if not fp8:
           plgpu.copy_gmem_to_smem(lat_ref.at[pg, :, pl.ds(HALF if what == "b" else 0, HALF)],
                                   ring_lat.at[slot, 1 if what == "b" else 0], loaded)
           return
         # 0 (used >= 0), but not a constant to the compiler: the store addresses depend on the pair, so they are
-        # computed in the loop instead of hoisted out of it and kept (spilled) in registers -- with crossover 64
-        # loop-invariant 64-bit peer addresses (ptxas: 472 B of spill stores before this, NOTES.md)
+        # computed in the loop instead of hoisted out of it and kept (spilled) in registers (NOTES.md)
         z = lax.shift_right_logical(used, 31)
         if (what, slot) in tile_loaded:
           # the first column tile released on its own barrier: the QK over this part starts on it
           n_valid, half = lens_ref[b] - j * PAGE, 0 if what == "a" else 1
-          store_f16(tiles, pg, slot + z, half, n_valid, loaded, col_tiles=(2 * half,))
+          store_f16(tiles, slot + z, half, n_valid, col_tiles=(2 * half,))
           plgpu.commit_smem()
           plgpu.barrier_arrive(tile_loaded[what, slot])
-          store_f16(tiles, pg, slot + z, half, n_valid, loaded, col_tiles=(2 * half + 1,))
+          store_f16(tiles, slot + z, half, n_valid, col_tiles=(2 * half + 1,))
         else:       # (the length read in each branch: read once above the if, the measured PTX reorders)
-          store_f16(tiles, pg, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE, loaded)
-        if plain:
-          cluster_fence()                   # this thread's stores into the peer before the arrival below
+          store_f16(tiles, slot + z, 0 if what == "a" else 1, lens_ref[b] - j * PAGE)
         plgpu.commit_smem()                 # the f16 tiles visible to the compute warpgroups' wgmmas
         plgpu.barrier_arrive(loaded)
-
-      # token halves this producer converts: both, or (crossover) its own, cx
-      token_halves = (cx,) if xo else (0, 1)
-      tok0, n_tok = (cx * TOK, TOK) if xo else (0, PAGE)
 
       page_id = lambda b, j: page_ahead(bt_ref, b, j, num_pages)
 
       def prefetch(pg, j, hi):
-        """Page pg (page j of a sequence with hi pages) into L2 by TMA: the latent rows this producer reads and the
-        fp8 scales, or (bf16) the rope. A hint: no barrier, nothing waits for it; interpret mode skips it."""
+        """Page pg (page j of a sequence with hi pages) into L2 by TMA: its latent rows and the fp8 scales, or
+        (bf16) the rope. A hint: no barrier, nothing waits for it; interpret mode skips it."""
         @pl.when(j < hi)
         def _():
           for h in (0, 1):
-            plgpu.async_prefetch(lat_ref.at[pg, pl.ds(tok0, n_tok), pl.ds(h * HALF, HALF)])
+            plgpu.async_prefetch(lat_ref.at[pg, pl.ds(0, PAGE), pl.ds(h * HALF, HALF)])
           if fp8:
             plgpu.async_prefetch(sc_ref.at[pg])
           else:
             plgpu.async_prefetch(rope_ref.at[pg])   # (fp8: the rope's TMA has the part's conversion time to land)
 
       def fp8_tiles(pg, half):
-        """The e4m3 tiles and scales of latent half `half` of page pg (the token halves this producer converts).
+        """The e4m3 tiles and scales of latent half `half` of page pg.
         The scales load with the tiles: loaded after the wait they were a second GMEM round trip in every part's
         chain (ncu, 14ec995: the sums of the scale selects stalled on them, ~7% of all warp samples)."""
-        return load_fp8_part(lat_ref, sc_ref, pg, half, token_halves)
+        return load_fp8_part(lat_ref, sc_ref, pg, half)
 
-      def store_f16(part, pg, slot, half, n_valid, loaded, col_tiles=None):
-        """The converted part into ring_lat[slot, half] (crossover: also into the peer's, arriving with the bytes on
-        its loaded barrier)."""
+      def store_f16(part, slot, half, n_valid, col_tiles=None):
+        """The converted part into ring_lat[slot, half]."""
         def store(x, t, th):
-          dst = ring_lat.at[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)]
-          dst[...] = x
-          if plain:
-            store_to_peer(x, dst)
-          elif xo:
-            plgpu.async_store_smem(split_vectors(x), dst, loaded, cluster_idx=1 - cx, cluster_dim="x")
+          ring_lat[slot, half, pl.ds(th * TOK, TOK), pl.ds((t % 2) * FP8_TILE, FP8_TILE)] = x
 
-        convert_fp8_part(part, half, n_valid, store, token_halves, col_tiles)
+        convert_fp8_part(part, half, n_valid, store, col_tiles=col_tiles)
 
       ahead = plan.l2_prefetch          # interpret mode: the table reads run, the prefetches are no-ops
 
@@ -502,7 +434,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
               plgpu.barrier_wait(first_tile)          # its first column tile (tile_release)
             for cc in range(HALF // CHUNK):
               if cc == (FP8_TILE // CHUNK if first_tile is not None else 0):
-                wait_loaded((loaded_b if half else loaded_a).at[slot], rope_slot=slot if half else None)
+                plgpu.barrier_wait((loaded_b if half else loaded_a).at[slot])
               plgpu.wgmma(s_ref, q_smem.at[half + z, :, pl.ds(cc * CHUNK, CHUNK)],
                           ring_lat.at[slot + z, half, :, pl.ds(cc * CHUNK, CHUNK)].T)
 
@@ -610,7 +542,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
                 plgpu.barrier_wait(p1bar)
 
                 def p1_v1l(acc):
-                  wait_loaded(loaded_a.at[1])
+                  plgpu.barrier_wait(loaded_a.at[1])
                   zero_tail(1, 0, n1, z)    # after [1]'s QK (p1bar)
                   acc = pv(acc, pbuf.at[1 + z], ring_lat.at[1 + z, 0], own=False)
                   plgpu.barrier_arrive(consumed_a1)
@@ -646,7 +578,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
 
               def p0_v0r(acc):
                 plgpu.barrier_wait(p0bar)
-                wait_loaded(loaded_b.at[0])
+                plgpu.barrier_wait(loaded_b.at[0])
                 zero_tail(0, 1, n0, z)      # after [0]'s QK (p0bar)
                 acc = pv(acc, pbuf.at[0 + z], ring_lat.at[0 + z, 1], own=False)
                 plgpu.barrier_arrive(consumed_b0)
@@ -736,10 +668,9 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   if direct:
     out_type += (jax.ShapeDtypeStruct((batch, g_count, ROWS, LATENT_DIM), dt),       # fp8: bf16 bits as f16
                  jax.ShapeDtypeStruct((batch, g_count, ROWS), jnp.float32))
-  cluster = dict(cluster=(2,), cluster_names=("x",)) if xo else {}
   return plgpu.kernel(
-      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count // n_cluster, parts),
-      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg", **cluster,
+      body, out_type=out_type, scratch_types=list(scratch.values()), grid=(g_count, parts),
+      grid_names=("g", "part"), num_threads=NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                            reduction_scratch_bytes=0),
       interpret=interpret)

@@ -7,21 +7,16 @@ mosaic_sm90_seesaw.py) share.
   is a multiple of 32: the swapped kernel dequantizes [64 tok, 128] tiles, the rows and seesaw kernels [32 tok, 128]
   tiles (`scaled_f16`), and the 64-row kernels' Q in f16 (`start_q_latent`).
 - The 16-bit SMEM tile transforms (`SWZ16`).
-- The seesaw kernel's crossover exchange between the two CTAs of a cluster: a converted tile into the peer's SMEM
-  (`store_to_peer`; `split_vectors` for Mosaic's st.async) and the cluster-scope fence that orders it
-  (`cluster_fence`).
 """
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from pallas_kernels.mla_decode.cache import ROPE_DIM
 
@@ -133,76 +128,16 @@ def any_positive(x):
   return vote(x)
 
 
-def dequant_layout(vector: int = 8):
+def dequant_layout():
   """Register layout of a [32k tok, 128] tile in the dequant pass: 8 consecutive elements per thread (one 8-byte
   fp8 load, one 16-byte f16 store, both whole swizzle chunks) -- Mosaic's SMEM copy layout for 16-bit 64-wide
-  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions. vector=4: the same elements
-  per thread held as two 4-element vectors (64-bit f16 registers: what a store into a peer CTA's SMEM takes)."""
-  if vector == 8:
-    return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
-                              lane_dims=(-3, -2), vector_dim=-1)
-  if vector == 4:
-    return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,), (4,))), warp_dims=(-8,),
-                              lane_dims=(-4, -3), vector_dim=-1)
-  raise ValueError(f"dequant_layout: vector must be 8 or 4, got {vector}")
-
-
-def split_vectors(x):
-  """An f16 [32k, 128] array in dequant_layout(8) -> the same registers as dequant_layout(4): each 8-element (128-bit)
-  vector is read as two 4-element ones, no data moves (a store into a peer CTA's SMEM takes 32- or 64-bit
-  registers)."""
-  @plgpu.inline_mgpu(arg_types=(dequant_layout(8),),
-                     return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=dequant_layout(4)))
-  def split(ctx, v):
-    del ctx
-    new_layout = dequant_layout(4).to_mgpu()
-    regs = np.empty(new_layout.registers_shape(v.shape), dtype=object)
-    for idx, reg in np.ndenumerate(v.registers):
-      for i in range(2):
-        regs[idx[:-1] + (i, idx[-1])] = mgpu_utils.vector_slice(reg, slice(4 * i, 4 * i + 4))
-    return mgpu.FragmentedArray(_registers=regs, _layout=new_layout, _is_signed=v.is_signed)
-
-  return split(x)
+  tiles. The wgmma layout would move 2 elements per SMEM access, 4x the instructions."""
+  return plgpu.Layout.TILED(plgpu.Tiling(((32, 64), (8, 64), (4, 64), (8,))), warp_dims=(-7,),
+                            lane_dims=(-3, -2), vector_dim=-1)
 
 
 # a 16-bit [.., 64k] SMEM tile in 128-byte swizzled rows: Q, the f16 / bf16 pages, P (every sm90 MLA kernel)
 SWZ16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
-def store_to_peer(x, dst):
-  """Plain 16-byte stores of x (f16, dequant_layout(8)) into the other CTA of a 2-CTA cluster (cluster axis x): the
-  same SMEM offsets as `dst` (a (8, 64)-tiled, 128-byte-swizzled f16 ref of this CTA) in the peer. Nothing waits
-  for them: the caller orders them before its release (cluster_fence, then an arrival on a ClusterBarrier). Mosaic's
-  store into a peer (plgpu.async_store_smem, st.async) takes at most 64-bit registers and completes every store's
-  bytes on the peer's mbarrier, which measured 1.8x slower on an H200 (NOTES.md)."""
-  @plgpu.inline_mgpu(arg_types=(dequant_layout(8), plgpu.RefType(transforms=SWZ16)), return_type=None)
-  def store(ctx, v, ref):
-    del ctx
-    index = ir.IndexType.get()
-    i32 = ir.IntegerType.get_signless(32)
-    peer = arith.subi(arith.constant(index, 1), gpu.cluster_block_id(gpu.Dimension.x))
-    peer_ref = mgpu_utils.get_cluster_ref(ref, gpu.Dimension.x, peer, generic=False)
-    for get, _, _, ptr in mgpu.FragmentedArray.transfer_tiled(peer_ref, 128, v.layout, v.shape, True,
-                                                              ref_tiling_rank=2):
-      words = vector.bitcast(ir.VectorType.get((4,), i32), get(v.registers))
-      w = [vector.extract(words, [], [k]) for k in range(4)]
-      llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, *w],
-                      "st.shared::cluster.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True)
-    return None
-
-  store(x, dst)
-
-
-def cluster_fence():
-  """fence.acq_rel.cluster: this thread's earlier stores into a peer CTA are ordered before its later release (and
-  its later reads after an acquire), at cluster scope."""
-  @plgpu.inline_mgpu(arg_types=(), return_type=None)
-  def fence(ctx):
-    del ctx
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;", "", has_side_effects=True)
-    return None
-
-  fence()
 
 
 def scale_layout():
@@ -230,22 +165,22 @@ def check_l2_prefetch(value, limit: int, unit: str) -> int:
   return value
 
 
-def load_fp8_part(lat_ref, sc_ref, pg, half: int, token_halves=(0, 1), col_tiles=None):
+def load_fp8_part(lat_ref, sc_ref, pg, half: int, col_tiles=None):
   """For a producer that converts pages itself: the e4m3 tiles of latent half `half` (columns [256 half, 256 half
-  + 256)) of pool page pg straight from GMEM, {(t, k): [32 tok, 128] column tile t of token half token_halves[k]}
-  (8 bytes a thread each), and their scales {k: [32, 4]}. Issued before the caller waits for the slot, so that
+  + 256)) of pool page pg straight from GMEM, {(t, th): [32 tok, 128] column tile t of token half th} (8 bytes a
+  thread each), and their scales {th: [32, 4]}. Issued before the caller waits for the slot, so that
   their latency passes under the wait. col_tiles: only these column tiles of the half (None: both)."""
   tok, tile = CONVERT_TOKENS, FP8_TILE
   col_tiles = (2 * half, 2 * half + 1) if col_tiles is None else col_tiles
-  tiles = {(t, k): plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)], layout=dequant_layout(),
-                              optimized=False)
-           for t in col_tiles for k, th in enumerate(token_halves)}
-  scales = {k: plgpu.load(sc_ref.at[pg, pl.ds(th * tok, tok)], layout=scale_layout(), optimized=False)
-            for k, th in enumerate(token_halves)}
+  tiles = {(t, th): plgpu.load(lat_ref.at[pg, pl.ds(th * tok, tok), pl.ds(t * tile, tile)],
+                               layout=dequant_layout(), optimized=False)
+           for t in col_tiles for th in (0, 1)}
+  scales = {th: plgpu.load(sc_ref.at[pg, pl.ds(th * tok, tok)], layout=scale_layout(), optimized=False)
+            for th in (0, 1)}
   return tiles, scales
 
 
-def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1), col_tiles=None):
+def convert_fp8_part(part, half: int, n_valid, store, col_tiles=None):
   """load_fp8_part's (tiles, scales) -> f16 x each tile's power-of-two scale (exact), handed to store(x, t, th)
   tile by tile ([32 tok, 128] f16 in dequant_layout: column tile t, token half th). Tokens at or past n_valid (a
   partial last page) -> 0 by select: they may hold NaN; only such a page pays the select. col_tiles: only these
@@ -254,13 +189,13 @@ def convert_fp8_part(part, half: int, n_valid, store, token_halves=(0, 1), col_t
   col_tiles = (2 * half, 2 * half + 1) if col_tiles is None else col_tiles
 
   def convert(masked: bool):
-    for k, th in enumerate(token_halves):
+    for th in (0, 1):
       col4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 1, layout=scale_layout())
       if masked:
         row4 = plgpu.broadcasted_iota(jnp.int32, (CONVERT_TOKENS, 4), 0, layout=scale_layout())
         ok = (row4 + th * CONVERT_TOKENS < n_valid).astype(jnp.float32)
       for t in col_tiles:
-        store(scaled_f16(tiles[t, k], scales[k], col4, t, ok if masked else None), t, th)
+        store(scaled_f16(tiles[t, th], scales[th], col4, t, ok if masked else None), t, th)
 
   page = 2 * CONVERT_TOKENS
   pl.when(n_valid >= page)(lambda: convert(False))

@@ -565,6 +565,34 @@ def test_merge_kernel_row_of_dim_gathers_rows_in_dim_order():
                       row_of_dim=ms.fp8_ops.row_of_dim, **kw)
 
 
+@pytest.mark.parametrize("cols", [16, 32, 64, 256])
+def test_merge_kernel_tilings_give_the_same_bits(cols):
+  """merge_partials(cols=c): c latent columns a program instead of 128 (more programs for the same work) gives the
+  default's bits in every orientation (dims-major, register_dequant's row function, rows-major with direct outputs);
+  a tiling that does not divide the 512 columns is refused."""
+  rng = np.random.default_rng(66)
+  pages = np.array([3, 0, 1, 7, 2], np.int32)
+  parts, n = 4, 16
+  cu, _ = ms.schedule(jnp.asarray(pages), parts)
+  payload = ms.share_pages(cu, parts).reshape(1)
+  e_total = parts + len(pages)
+  o_part = jnp.asarray(rng.standard_normal((e_total, 512, n)).astype(np.float32))
+  lse2 = (rng.standard_normal((e_total, n)) * 4).astype(np.float32)
+  lse2[:, 0] = -np.inf
+  lse2 = jnp.asarray(lse2)
+  kw = dict(batch=len(pages), groups=1, out_dtype=jnp.float32, interpret=True)
+  sentinel = (jnp.full((len(pages), n, 512), 7.0, jnp.float32), jnp.full((len(pages), n), -3.0, jnp.float32))
+  for o, extra in ((o_part, {}), (o_part, dict(row_of_dim=ms.fp8_ops.row_of_dim)),
+                   (jnp.swapaxes(o_part, 1, 2), dict(rows_major=True, direct=sentinel))):
+    want = ms.merge_partials(o, lse2, cu, payload, **extra, **kw)
+    got = ms.merge_partials(o, lse2, cu, payload, cols=cols, num_stages=2, **extra, **kw)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for bad in (8, 48, 1024, 64.0):
+    with pytest.raises(ValueError, match="cols must be a power of two"):
+      ms.merge_partials(o_part, lse2, cu, payload, cols=bad, **kw)
+
+
 # ---- the rows kernel with an fp8 cache (each warpgroup dequantizes its token half; a 1-slot fp8 ring by default,
 # 2 slots held through QK as an option) ----------------------------------------------------------------------------
 @pytest.mark.parametrize("stages", [1, 2])

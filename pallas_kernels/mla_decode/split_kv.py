@@ -41,6 +41,8 @@ with warnings.catch_warnings():
 from pallas_kernels.mla_decode.cache import LATENT_DIM
 
 COLS = 128          # latent columns per program (merge)
+MERGE_WARPS = 4     # the merge program's Triton configuration
+MERGE_STAGES = 1
 SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
 SNAP_CANDIDATES = 8  # payloads tried: base .. base + 7 pages a share (base = ceil(total pages / shares))
 SEGMENT_PAGES = 2    # what one (share, sequence) segment costs, in pages (fp8 h128 b64 on an H200, NOTES.md)
@@ -53,15 +55,15 @@ _LN2 = math.log(2.0)
 
 
 def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: int, rows_major: bool = False,
-                  direct: bool = False, permuted=None):
+                  direct: bool = False, permuted=None, cols: int = COLS):
   # permuted: None (row d is dim d), True (a row table operand first in refs) or a function of the dims (rows)
   out_ref, lse_ref = refs[-2:]                       # direct: refs[1:3] / refs[:2] are the same buffers (aliased)
   b, g, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows = None                                                          # o_part's rows of this program's dims
   if callable(permuted):
-    rows = permuted(d * COLS + lax.broadcasted_iota(jnp.int32, (COLS,), 0))
+    rows = permuted(d * cols + lax.broadcasted_iota(jnp.int32, (cols,), 0))
   elif permuted:
-    rows = refs[0][pl.ds(d * COLS, COLS)]
+    rows = refs[0][pl.ds(d * cols, cols)]
   first, last = cu_ref[b], cu_ref[b + 1]            # sequence b's flat pages [first, last)
   payload = payload_ref[0]
   p_lo = first // payload
@@ -69,35 +71,36 @@ def _merge_kernel(cu_ref, payload_ref, o_ref, lse2_ref, *refs, groups: int, n: i
   if direct:
     # one share held all of sequence b's pages and its kernel CTA wrote out / lse itself: nothing to merge
     pl.when(p_hi != p_lo)(functools.partial(_merge_sequence, b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref,
-                                            lse_ref, groups=groups, n=n, rows_major=rows_major, rows=rows))
+                                            lse_ref, groups=groups, n=n, rows_major=rows_major, rows=rows,
+                                            cols=cols))
   else:
     _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, groups=groups, n=n,
-                    rows_major=rows_major, rows=rows)
+                    rows_major=rows_major, rows=rows, cols=cols)
 
 
 def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, groups: int, n: int,
-                    rows_major: bool, rows=None):
+                    rows_major: bool, rows=None, cols: int = COLS):
   def merge(p, carry):
-    m, den, acc = carry                                                # [n], [n], [COLS, n]
+    m, den, acc = carry                                                # [n], [n], [cols, n]
     e = (p + b) * groups + g
     l2 = lse2_ref[e, :]                                                # [n] log2 domain, -inf = no key
     if rows_major:                                                     # partials [E*G, n, 512]
-      o = o_ref[e, :, pl.ds(d * COLS, COLS)].T
+      o = o_ref[e, :, pl.ds(d * cols, cols)].T
     elif rows is not None:
-      o = o_ref[e, rows, :]                                            # [COLS, n], gathered rows
+      o = o_ref[e, rows, :]                                            # [cols, n], gathered rows
     else:
-      o = o_ref[e, pl.ds(d * COLS, COLS), :]                           # [COLS, n]
+      o = o_ref[e, pl.ds(d * cols, cols), :]                           # [cols, n]
     m_new = jnp.maximum(m, l2)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)                                       # 0 while nothing was seen
     w = jnp.exp2(l2 - m_safe)                                          # 0 for an empty partial row
     return m_new, den * alpha + w, acc * alpha[None, :] + o * w[None, :]
 
-  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros((COLS, n), jnp.float32))
+  init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32), jnp.zeros((cols, n), jnp.float32))
   m, den, acc = lax.fori_loop(p_lo, p_hi + 1, merge, init)
   seen = den > 0
   inv = jnp.where(seen, 1.0 / jnp.where(seen, den, 1.0), 0.0)
-  out_ref[pl.ds(g * n, n), pl.ds(d * COLS, COLS)] = (acc * inv[None, :]).T.astype(out_ref.dtype)
+  out_ref[pl.ds(g * n, n), pl.ds(d * cols, cols)] = (acc * inv[None, :]).T.astype(out_ref.dtype)
 
   @pl.when(d == 0)
   def _():
@@ -107,7 +110,8 @@ def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, g
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
                    groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False,
                    direct: tuple[jax.Array, jax.Array] | None = None,
-                   row_of_dim=None) -> tuple[jax.Array, jax.Array]:
+                   row_of_dim=None, cols: int = COLS, num_warps: int = MERGE_WARPS,
+                   num_stages: int = MERGE_STAGES) -> tuple[jax.Array, jax.Array]:
   """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
   (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
   [B, G*N, 512] out_dtype, lse f32 [B, G*N] (natural log; +inf where no key).
@@ -120,11 +124,14 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   row_of_dim: int32 [512], the row of o_part [E*G, 512, N] that holds each latent dim (a kernel whose output rows
   come in another order: the swapped kernel's register_dequant), or a function that maps an int32 [128] array of
   dims to their rows with ops the kernel can run (sm90_fp8_operands.row_of_dim: computed in the kernel, no table
-  operand); None: row d is dim d."""
+  operand); None: row d is dim d. cols / num_warps / num_stages: latent columns a program (a power of two
+  dividing 512: more programs for the same work) and the Triton program's configuration (tuning)."""
   if rows_major:
     _, n, dims = o_part.shape
   else:
     _, dims, n = o_part.shape
+  if not (isinstance(cols, int) and 16 <= cols <= LATENT_DIM and cols & (cols - 1) == 0):
+    raise ValueError(f"merge_partials: cols must be a power of two in [16, {LATENT_DIM}], got {cols!r}")
   if dims != LATENT_DIM or n & (n - 1) or n < 8:
     want = f"[E*G, N, {LATENT_DIM}]" if rows_major else f"[E*G, {LATENT_DIM}, N]"
     raise ValueError(f"merge_partials needs partials {want} with N a power of two >= 8, got {o_part.shape}")
@@ -160,14 +167,14 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
         functools.partial(_merge_kernel, groups=groups, n=n, rows_major=rows_major, direct=direct is not None,
-                          permuted=table or row_of_dim),
-        grid=(batch, groups, LATENT_DIM // COLS),
+                          permuted=table or row_of_dim, cols=cols),
+        grid=(batch, groups, LATENT_DIM // cols),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=bool(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_decode_merge_partials",
     )(*operands)
 

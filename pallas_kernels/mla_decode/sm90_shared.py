@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, vector
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental.mosaic import gpu as mgpu
 
 from pallas_kernels.mla_decode.cache import ROPE_DIM
 
@@ -105,27 +102,6 @@ def reduce_rows(op: str, x, scratch):
     return v.reduce(op, 0, scratch=ref)
 
   return reduce(x, scratch)
-
-
-def any_positive(x):
-  """x [n] f32 in WGMMA.reduce(0) (a reduction over a [64, n] array's rows: every warp holds every column, each lane
-  (g, c) columns 8 j + 2 c and + 1) -> int32 scalar, 1 where an element is > 0, else 0: the same value in every thread
-  of the warpgroup (one vote a warp over its lanes' columns), so a branch on it does not diverge."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0),),
-                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=None))
-  def vote(_ctx, v):
-    i32 = ir.IntegerType.get_signless(32)
-    top = None
-    for reg in v.registers.flat:
-      for k in range(ir.VectorType(reg.type).shape[0]):
-        e = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([k]))
-        top = e if top is None else arith.maximumf(top, e)
-    flag = llvm.inline_asm(
-        i32, [top], "{\n.reg .pred p, q;\nsetp.gt.f32 p, $1, 0f00000000;\nvote.sync.any.pred q, p, 0xffffffff;\n"
-        "selp.u32 $0, 1, 0, q;\n}", "=r,f")
-    return mgpu.FragmentedArray.splat(flag, (), is_signed=True)
-
-  return vote(x)
 
 
 def dequant_layout():

@@ -12,8 +12,8 @@ if [ $TAG = h200 ]; then
     --only "fp8_e4m3 h16,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 producers,bfloat16 h128,fp8_e4m3 h128,fp8_e4m3 h128 sq2,fp8_e4m3 h128 ragged[1..2L],bfloat16 h128 l2 resident" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -14
   exit 0
 fi
-timeout 150 python -m pytest -q -m gpu tests/test_gpu_mla.py -k "shared_loop and (loads_first or register_dequant)" \
-  -p no:cacheprovider -rA 2>&1 | grep -E "passed|failed|FAIL|Error|assert" | head -20 | tee $OUT/gpu_tests_mla_loads_first_${TAG}_$C.log
-timeout 200 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_loads_first_${TAG}_$C.json \
+timeout 120 python scripts/bench_merge.py --commit $C --out $OUT/merge_${TAG}_$C.json 2>&1 | tail -8
+timeout 150 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_loads_first_${TAG}_$C.json \
   --only "fp8_e4m3 h16,fp8_e4m3 h16 loads first,fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 l2 resident loads first,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 ragged[1..2L] loads first,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 b32 L16384 loads first" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -12
-timeout 150 python scripts/bench_merge.py --commit $C --out $OUT/merge_${TAG}_$C.json 2>&1 | tail -8
+timeout 120 python -m pytest -q -m gpu tests/test_gpu_mla.py -k "shared_loop and (loads_first or register_dequant)" \
+  -p no:cacheprovider -rA 2>&1 | grep -E "passed|failed|FAIL|Error|assert" | head -20 | tee $OUT/gpu_tests_mla_loads_first_${TAG}_$C.log

@@ -6,9 +6,9 @@ C=$1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
 case "$GPU" in *H200*) TAG=h200;; *) TAG=h100;; esac
 if [ $TAG = h200 ]; then
-  timeout 170 python scripts/bench_w4a16.py --backends mosaic_sm90 --quick --commit $C --out $OUT/w4a16_quick_${TAG}_$C.json 2>&1 | tail -22
-  timeout 220 python scripts/bench_generate.py --v3-slice --commit $C --out $OUT/generate_v3_slice_${TAG}_$C.json 2>&1 | tail -5
-  timeout 190 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_targets_${TAG}_$C.json \
+  timeout 160 python scripts/bench_w4a16.py --backends mosaic_sm90 --quick --commit $C --out $OUT/w4a16_quick_${TAG}_$C.json 2>&1 | tail -22
+  timeout 170 python scripts/bench_generate.py --v3-slice --commit $C --out $OUT/generate_v3_slice_${TAG}_$C.json 2>&1 | tail -5
+  timeout 150 python scripts/check_mla_gpu.py --cases none --timing --iters 20 --commit $C --out $OUT/mla_targets_${TAG}_$C.json \
     --only "fp8_e4m3 h16,fp8_e4m3 h16 b32 L16384,fp8_e4m3 h16 ragged[1..2L],fp8_e4m3 h16 l2 resident,fp8_e4m3 h16 producers,bfloat16 h128,fp8_e4m3 h128,fp8_e4m3 h128 sq2,fp8_e4m3 h128 ragged[1..2L],bfloat16 h128 l2 resident" 2>&1 | grep -vE "^\s*$|WARNING|^I[0-9]" | tail -14
   exit 0
 fi

@@ -1,5 +1,5 @@
 #!/bin/bash
-# one-off device call (deleted after). On an H200: issue 13's W4A16 targets, the V3 slice and the MLA targets'
+# one-off device call (deleted after). On an H200: issue 13's W4A16 targets and the V3 slice.
 # On an H100: the merge by tiling, the default fp8 h16 plan with loads_first (timing).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 C=$1

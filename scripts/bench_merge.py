@@ -28,9 +28,9 @@ SHAPES = (("fp8 h16 b128 L4096", 128, 4096, False, 16, "swapped"),
           ("fp8 h16 b32 L16384", 32, 16384, False, 16, "swapped"),
           ("fp8 h128 sq2 b128 L4096", 128, 4096, False, 256, "seesaw"),
           ("fp8 h128 b128 ragged[1..2L]", 128, 4096, True, 128, "seesaw"))
-# (latent columns a program, Triton warps, Triton stages); the first is the default
-CONFIGS = ((split_kv.COLS, split_kv.MERGE_WARPS, split_kv.MERGE_STAGES),
-           (64, 4, 1), (32, 4, 1), (128, 4, 2), (64, 4, 2), (64, 2, 1), (32, 2, 1))
+# (latent columns a program, Triton warps, Triton stages); the first is the default (cols None: split_kv.merge_cols)
+CONFIGS = ((None, split_kv.MERGE_WARPS, split_kv.MERGE_STAGES),
+           (128, 4, 1), (64, 4, 1), (32, 4, 1), (128, 4, 2), (64, 4, 2), (64, 2, 1), (32, 2, 1))
 
 
 def lengths(batch: int, length: int, ragged: bool) -> np.ndarray:
@@ -87,13 +87,17 @@ def main():
       t = device_time(fn, *operands, direct, iters=args.iters)
       # the merge kernel alone (the seesaw shapes' jitted call also copies the direct outputs it updates in place)
       merge_us = sum(v for k, v in (t.get("kernels") or {}).items() if "merge_partials" in k) or t["us"]
-      rows.append(dict(shape=name, cols=cols, num_warps=warps, num_stages=stages, us=merge_us, call_us=t["us"],
+      rows.append(dict(shape=name, cols=cols or split_kv.merge_cols(kw["batch"], kw["groups"],
+                                                                     kw.get("rows_major", False)),
+                       default=cols is None, num_warps=warps, num_stages=stages, us=merge_us, call_us=t["us"],
                        method=t["method"], kernels=t.get("kernels"), same_bits_as_default=same))
-      print(f"{name:28s} cols {cols:3d} warps {warps} stages {stages}  {merge_us:7.2f} us  same bits: {same}",
+      print(f"{name:28s} cols {rows[-1]['cols']:3d}{'*' if cols is None else ' '} warps {warps} stages {stages}  "
+            f"{merge_us:7.2f} us  same bits: {same}",
             flush=True)
   with open(args.out, "w") as f:
     json.dump(dict(info=info, rows=rows), f, indent=1)
-  print(f"\n{'shape':28s} " + " ".join(f"{c}/{w}/{s:<5}" for c, w, s in CONFIGS) + "   (cols/warps/stages, µs)")
+  print(f"\n{'shape':28s} " + " ".join(f"{c or 'auto'}/{w}/{s:<5}" for c, w, s in CONFIGS)
+        + "   (cols/warps/stages, µs)")
   for name, *_ in SHAPES:
     print(f"{name:28s} " + " ".join(f"{r['us']:9.2f}" for r in rows if r["shape"] == name))
   print(f"wrote {args.out}")

@@ -593,6 +593,15 @@ def test_merge_kernel_tilings_give_the_same_bits(cols):
       ms.merge_partials(o_part, lse2, cu, payload, cols=bad, **kw)
 
 
+def test_merge_cols_rule():
+  """The merge's default tiling (measured): 64 columns a program for dims-major partials where 128 would make fewer
+  than MERGE_MIN_PROGRAMS programs (b32 h16), else 128; rows-major partials (the seesaw kernel's) always 128."""
+  from pallas_kernels.mla_decode import split_kv
+  assert split_kv.merge_cols(128, 1) == split_kv.merge_cols(64, 1) == 128      # 512 / 256 programs
+  assert split_kv.merge_cols(32, 1) == split_kv.merge_cols(4, 1) == split_kv.merge_cols(16, 2) == 64
+  assert split_kv.merge_cols(32, 1, rows_major=True) == split_kv.merge_cols(4, 2, rows_major=True) == 128
+
+
 # ---- the rows kernel with an fp8 cache (each warpgroup dequantizes its token half; a 1-slot fp8 ring by default,
 # 2 slots held through QK as an option) ----------------------------------------------------------------------------
 @pytest.mark.parametrize("stages", [1, 2])

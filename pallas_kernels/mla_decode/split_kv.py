@@ -40,7 +40,14 @@ with warnings.catch_warnings():
 
 from pallas_kernels.mla_decode.cache import LATENT_DIM
 
-COLS = 128          # latent columns per program (merge)
+COLS = 128          # latent columns per program (merge), the most
+# merge_cols: the dims-major partials (the swapped kernel's) get programs of 64 columns where 128 would make fewer
+# than MERGE_MIN_PROGRAMS programs. Each program walks its partials one after another, so few sequences make few long
+# chains. One H100, jax 0.11.2, 13ee541, `scripts/bench_merge.py`, CUPTI µs of the merge alone at 128 / 64 / 32
+# columns: fp8 h16 b32 L16384 5.98 / 4.22 / 4.06, b128 L4096 2.82 / 3.04 / 4.29, b128 ragged [1, 2L] 4.35 / 4.19 /
+# 5.92; the rows-major ones (seesaw, h128) lose at 64 (Sq 2 21.1 -> 23.1, ragged 19.6 -> 21.1): 128 there.
+# Triton stages 2 and 2 warps: no gain (NOTES.md)
+MERGE_MIN_PROGRAMS = 256
 MERGE_WARPS = 4     # the merge program's Triton configuration
 MERGE_STAGES = 1
 SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
@@ -107,10 +114,18 @@ def _merge_sequence(b, g, d, p_lo, p_hi, o_ref, lse2_ref, out_ref, lse_ref, *, g
     lse_ref[pl.ds(g * n, n)] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, den, 1.0))) * _LN2, jnp.inf)
 
 
+def merge_cols(batch: int, groups: int, rows_major: bool = False) -> int:
+  """Latent columns a merge program takes by default: COLS, or 64 for dims-major partials where COLS would give
+  fewer than MERGE_MIN_PROGRAMS programs (batch x groups x 512 / cols)."""
+  if not rows_major and batch * groups * (LATENT_DIM // COLS) < MERGE_MIN_PROGRAMS:
+    return 64
+  return COLS
+
+
 def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, payload: jax.Array, *, batch: int,
                    groups: int, out_dtype=jnp.bfloat16, interpret: bool = False, rows_major: bool = False,
                    direct: tuple[jax.Array, jax.Array] | None = None,
-                   row_of_dim=None, cols: int = COLS, num_warps: int = MERGE_WARPS,
+                   row_of_dim=None, cols: int | None = None, num_warps: int = MERGE_WARPS,
                    num_stages: int = MERGE_STAGES) -> tuple[jax.Array, jax.Array]:
   """o_part f32 [E*G, 512, N] (rows_major: [E*G, N, 512], the rows kernel's), lse2_part f32 [E*G, N]
   (entry-major, head group minor), cu int32 [>= B+1] and payload int32 [1] (schedule_kernel's) -> out
@@ -125,11 +140,14 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   come in another order: the swapped kernel's register_dequant), or a function that maps an int32 [128] array of
   dims to their rows with ops the kernel can run (sm90_fp8_operands.row_of_dim: computed in the kernel, no table
   operand); None: row d is dim d. cols / num_warps / num_stages: latent columns a program (a power of two
-  dividing 512: more programs for the same work) and the Triton program's configuration (tuning)."""
+  dividing 512: more programs for the same work; None: merge_cols) and the Triton program's configuration (tuning).
+  Every tiling gives the same bits."""
   if rows_major:
     _, n, dims = o_part.shape
   else:
     _, dims, n = o_part.shape
+  if cols is None:
+    cols = merge_cols(batch, groups, rows_major)
   if not (isinstance(cols, int) and 16 <= cols <= LATENT_DIM and cols & (cols - 1) == 0):
     raise ValueError(f"merge_partials: cols must be a power of two in [16, {LATENT_DIM}], got {cols!r}")
   if dims != LATENT_DIM or n & (n - 1) or n < 8:

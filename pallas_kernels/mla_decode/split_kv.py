@@ -137,7 +137,7 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
   and writes nothing.
 
   row_of_dim: int32 [512], the row of o_part [E*G, 512, N] that holds each latent dim (a kernel whose output rows
-  come in another order: the swapped kernel's register_dequant), or a function that maps an int32 [128] array of
+  come in another order: the swapped kernel's register_dequant), or a function that maps an int32 [cols] array of
   dims to their rows with ops the kernel can run (sm90_fp8_operands.row_of_dim: computed in the kernel, no table
   operand); None: row d is dim d. cols / num_warps / num_stages: latent columns a program (a power of two
   dividing 512: more programs for the same work; None: merge_cols) and the Triton program's configuration (tuning).

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.mla_decode import mosaic_sm90, sm90_fp8_operands, split_kv
 from pallas_kernels.testing import commit_id, device_time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_mla_gpu import variant_lens  # noqa: E402  (a sibling script: its timing variants' lengths)
 
 # (name, batch, length, ragged lengths, query rows a sequence, kernel)
 SHAPES = (("fp8 h16 b128 L4096", 128, 4096, False, 16, "swapped"),
@@ -33,16 +37,10 @@ CONFIGS = ((None, split_kv.MERGE_WARPS, split_kv.MERGE_STAGES),
            (128, 4, 1), (64, 4, 1), (32, 4, 1), (128, 4, 2), (64, 4, 2), (64, 2, 1), (32, 2, 1))
 
 
-def lengths(batch: int, length: int, ragged: bool) -> np.ndarray:
-  """check_mla_gpu.py's lengths for its timing variants: all `length`, or uniform in [1, 2 length] (seed 7)."""
-  rng = np.random.default_rng(7)
-  return rng.integers(1, 2 * length + 1, batch) if ragged else np.full(batch, length)
-
-
 def problem(batch: int, length: int, ragged: bool, rows: int, kernel: str, interpret: bool = False):
   """The merge's operands as mosaic_sm90 builds them for this shape (random partial values), and its kwargs
   (interpret: the schedule kernel in interpret mode, for a CPU)."""
-  lens = jnp.asarray(lengths(batch, length, ragged), jnp.int32)
+  lens = jnp.asarray(variant_lens(batch, length, ragged), jnp.int32)
   num_sms = mosaic_sm90._num_sms()
   if kernel == "swapped":
     plan = mosaic_sm90.make_plan(rows, True)

@@ -429,7 +429,7 @@ def timing_variants():
          dict(kernel="swapped", register_dequant=True, scale_on_s=False, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),
       # the default plan (register_dequant, shared loop, scale_on_s) with a product's shared-memory loads all issued
-      # before its first conversion (loads_first; timed before only without the shared loop)
+      # before its first conversion (loads_first; on an H100 at 13ee541: -4.8% on chip, +1% HBM-bound)
       *((f"fp8_e4m3 h16{label} loads first", "fp8_e4m3", 16, 1, batch, length, ragged, "mosaic_sm90",
          dict(kernel="swapped", register_dequant=True, loads_first=True, **kw))
         for label, batch, length, ragged, kw in H16_SHAPES),

@@ -233,7 +233,6 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
   on_gpu = interpret is False or interpret is None
   tma_out = direct and fp8 and on_gpu             # direct write through the Q half of SMEM and a TMA store
   early_p0 = plan.early_p0 and on_gpu             # interpret mode completes every wgmma as it is issued
-  release = lambda n: plgpu.Barrier(num_arrivals=n)
 
   scratch = dict(
       q_smem=plgpu.SMEM((2, ROWS, HALF), dt, transforms=SWZ16),                 # Q latent, by half
@@ -246,11 +245,11 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
       # latent [256, 512) + rope (bf16: two TMAs; fp8: the producer's stores and the rope's TMA)
       loaded_b=plgpu.Barrier(num_arrivals=2, num_barriers=2),
       # part A free: slot 0 after [0]'s P0 V0_L; slot 1 after [1]'s QK and [0]'s P1 V1_L
-      consumed_a0=release(1),
-      consumed_a1=release(2),
+      consumed_a0=plgpu.Barrier(num_arrivals=1),
+      consumed_a1=plgpu.Barrier(num_arrivals=2),
       # part B free: slot 0 after [0]'s QK and [1]'s P0 V0_R; slot 1 after [1]'s P1 V1_R
-      consumed_b0=release(2),
-      consumed_b1=release(1),
+      consumed_b0=plgpu.Barrier(num_arrivals=2),
+      consumed_b1=plgpu.Barrier(num_arrivals=1),
       qbar=plgpu.Barrier(num_arrivals=2),    # Q's latent halves landed (bf16: 2 TMAs; fp8: each warpgroup's f16 half)
       m0bar=plgpu.Barrier(num_arrivals=1),                                       # [0] wrote m0
       m1bar=plgpu.Barrier(num_arrivals=1),                                       # [1] wrote m1
@@ -333,7 +332,7 @@ def build_call(plan: Plan, *, batch: int, sq: int, heads: int, causal: bool, sof
         @pl.when(j < hi)
         def _():
           for h in (0, 1):
-            plgpu.async_prefetch(lat_ref.at[pg, pl.ds(0, PAGE), pl.ds(h * HALF, HALF)])
+            plgpu.async_prefetch(lat_ref.at[pg, :, pl.ds(h * HALF, HALF)])
           if fp8:
             plgpu.async_prefetch(sc_ref.at[pg])
           else:

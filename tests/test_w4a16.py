@@ -194,6 +194,54 @@ def test_routing_blocks():
   assert (w[tok < 0] == 0).all()
 
 
+def routing_case(rng, t, k, e, kind):
+  """topk ids [T, K] of one kind of routing: uniform, all on one expert, dropped ids (-1 and >= E: expert-parallel
+  shards), repeated experts within a token, or few experts."""
+  if kind == "one_expert":
+    ids = np.full((t, k), e - 1, np.int32)
+  elif kind == "few":
+    ids = rng.integers(0, min(e, 3), (t, k)).astype(np.int32)
+  else:
+    ids = rng.integers(0, e, (t, k)).astype(np.int32)
+  if kind == "dropped":
+    ids[rng.random((t, k)) < 0.25] = -1
+    ids[rng.random((t, k)) < 0.15] = e + rng.integers(0, 5)
+  if kind == "repeats":
+    ids[:, 1::2] = ids[:, 0::2][:, :ids[:, 1::2].shape[1]]
+  return ids, rng.uniform(0.01, 2, (t, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("t,k,e,block_m,kind", [
+    (2, 1, 1, 1, "uniform"), (16, 8, 256, 8, "uniform"), (64, 8, 256, 8, "uniform"), (64, 8, 256, 16, "dropped"),
+    (7, 6, 160, 16, "repeats"), (33, 3, 5, 4, "few"), (128, 8, 256, 64, "one_expert"), (5, 2, 300, 2, "dropped"),
+    (3, 8, 4, 16, "uniform"), (9, 7, 64, 32, "repeats")])
+def test_align_kernel_matches_align(t, k, e, block_m, kind):
+  # the Pallas Triton grouping (interpret mode) against the XLA one, every array to the bit; fresh random routing,
+  # pair and expert counts that are not powers of two, several chunks of pairs and of blocks
+  from pallas_kernels.w4a16 import routing_triton
+  ids, wts = routing_case(np.random.default_rng(t * 1000 + e), t, k, e, kind)
+  want = routing.align(jnp.asarray(ids), jnp.asarray(wts), e, block_m)
+  got = routing_triton.align_kernel(jnp.asarray(ids), jnp.asarray(wts), e, block_m, interpret=True)
+  assert got.block_m == want.block_m
+  for field in ("block_expert", "row_token", "row_weight", "pair_row"):
+    a, b = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+    assert a.shape == b.shape and a.dtype == b.dtype, field
+    np.testing.assert_array_equal(a, b, err_msg=field)
+
+
+def test_align_kernel_refuses_what_it_cannot_take():
+  from pallas_kernels.w4a16 import routing_triton
+  ids, wts = jnp.zeros((129, 8), jnp.int32), jnp.ones((129, 8), jnp.float32)
+  assert not routing_triton.supports(129 * 8, 8) and not routing_triton.supports(16, 12)
+  with pytest.raises(ValueError, match="routing.align"):
+    routing_triton.align_kernel(ids, wts, 256, 8)
+  with pytest.raises(ValueError, match="power-of-two block_m"):
+    routing_triton.align_kernel(ids[:2], wts[:2], 256, 12)
+  # the op falls back to the XLA grouping there (and for one token), with the same result
+  rt = api.align(ids[:2, :3], wts[:2, :3], 256, 12)
+  assert rt.block_m == 12 and rt.row_token.shape[0] == routing.max_blocks(6, 256, 12) * 12
+
+
 def test_max_blocks_is_the_most_any_routing_needs():
   rng = np.random.default_rng(5)
   for p, e, bm in [(128, 256, 8), (512, 256, 8), (24, 4, 16), (7, 3, 2), (1, 256, 8), (40, 40, 1), (2048, 256, 64)]:

@@ -32,7 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.w4a16 import layout, mosaic_sm90, reference, routing, triton
+from pallas_kernels.w4a16 import layout, mosaic_sm90, reference, routing, routing_triton, triton
 
 logger = logging.getLogger("pallas_kernels")
 
@@ -197,12 +197,22 @@ def w4a16_moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w13: l
               config=_frozen(config))
 
 
+def align(topk_ids, topk_weights, num_experts: int, block_m: int, *, interpret: bool = False) -> routing.Routing:
+  """The kernels' grouping of the pairs by expert: one Pallas Triton launch (routing_triton.align_kernel) from two
+  tokens up to its MAX_PAIRS pairs, else routing.align (XLA; one token takes its elementwise path there). Both give
+  the same Routing to the bit."""
+  t, k = topk_ids.shape
+  if t > 1 and routing_triton.supports(t * k, block_m):
+    return routing_triton.align_kernel(topk_ids, topk_weights, num_experts, block_m, interpret=interpret)
+  return routing.align(topk_ids, topk_weights, num_experts, block_m)
+
+
 @functools.partial(jax.jit, static_argnames=("name", "interpret", "block_m", "config"))
 def _moe(x, topk_ids, topk_weights, w13, w2, *, name, interpret, block_m, config):
   if name == "xla":
     return reference.moe(x, topk_ids, topk_weights, w13, w2, block_m=block_m)
   num_experts = w13.lead_shape[0]
-  rt = routing.align(topk_ids, topk_weights, num_experts, block_m)
+  rt = align(topk_ids, topk_weights, num_experts, block_m, interpret=interpret)
   busy = min(rt.num_blocks, num_experts, topk_ids.size)    # blocks expected in use: sizes the K split
   if name == "mosaic_sm90":
     return mosaic_sm90.moe(x, rt, w13, w2, busy_blocks=busy, interpret=interpret,

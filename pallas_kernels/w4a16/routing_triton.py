@@ -1,0 +1,134 @@
+"""routing.align as one Pallas Triton program (sm80+; CPU with interpret=True): the grouping of a decode batch's
+(token, expert) pairs by expert in a single launch instead of XLA's ~10 small kernels (~13 µs at T = 64 on an
+H200, NOTES.md). Same Routing, to the bit, as routing.align (the reference the tests compare it with).
+
+One program walks the P = T*K pairs in chunks of PAIR_CHUNK and the blocks in chunks of BLOCK_CHUNK (static loops,
+every array a power of two, as Pallas Triton needs):
+1. per pair chunk, a one-hot [C, E'] of its experts (E' = E padded to a power of two; dropped ids match nothing)
+   gives each pair the count of earlier pairs of its expert in earlier chunks; a [C, C] compare adds those in its
+   own chunk: the pair's rank in its expert's run. The one-hot's column sums carry the per-expert counts.
+2. blocks per expert = ceil(count / block_m); their cumsum is each expert's first block.
+3. per pair chunk again: row = first block of its expert x block_m + rank -> pair_row, and row_token / row_weight
+   scattered to that row (a kept pair's row is unique; dropped pairs store nothing).
+4. per block chunk: the block's expert = experts whose blocks end at or before it (-1 past the blocks in use), and
+   its padding rows (past its expert's count) get token -1 / weight 0 by a masked store.
+Steps 3 and 4 write disjoint elements, so no ordering between threads is needed.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+with warnings.catch_warnings():
+  warnings.simplefilter("ignore", DeprecationWarning)
+  from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.w4a16.routing import Routing, max_blocks
+
+PAIR_CHUNK = 64      # pairs a step ([64, E'] one-hot: 64 int32 a thread at E' = 256 and 8 warps)
+BLOCK_CHUNK = 32     # blocks a step ([32, E'] compares)
+MAX_PAIRS = 1024     # the static loops' reach (T = 128 at top-8); larger batches take routing.align
+NUM_WARPS = 8
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _align_kernel(ids_ref, w_ref, block_expert_ref, row_token_ref, row_weight_ref, pair_row_ref, *,
+                  pairs: int, k: int, experts: int, block_m: int, num_blocks: int):
+  ep = _pow2(experts)
+  chunk = min(PAIR_CHUNK, _pow2(pairs))
+  e_iota = lax.broadcasted_iota(jnp.int32, (1, ep), 1)
+  c_iota = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  earlier = c_iota[None, :] < c_iota[:, None]                                  # [C (pair), C (earlier pair)]
+
+  def load_pairs(c):
+    p = c * chunk + c_iota
+    live = p < pairs
+    ids = pltriton.load(ids_ref.at[p], mask=live, other=-1)
+    kept = live & (ids >= 0) & (ids < experts)
+    return p, jnp.where(kept, ids, -1), kept
+
+  # 1. ranks within each expert's run, and the counts
+  count = jnp.zeros((1, ep), jnp.int32)
+  ranks = []
+  for c in range(-(-pairs // chunk)):
+    _, ids, _ = load_pairs(c)
+    onehot = (ids[:, None] == e_iota).astype(jnp.int32)                        # [C, E']
+    same = (ids[:, None] == ids[None, :]) & earlier
+    ranks.append(jnp.sum(onehot * count, axis=1) + jnp.sum(same.astype(jnp.int32), axis=1))
+    count = count + jnp.sum(onehot, axis=0, keepdims=True)
+  # 2. each expert's blocks
+  blocks = (count + block_m - 1) // block_m                                    # [1, E']
+  block_end = jnp.cumsum(blocks, axis=1)
+  block_start = block_end - blocks
+  n_used = jnp.sum(blocks)
+  # 3. each kept pair's row; token and weight scattered there. Masked lanes index past the end (interpret mode
+  # writes a masked lane's old value back, which must not land on an element another lane writes)
+  rows_total = num_blocks * block_m
+  for c, rank in enumerate(ranks):
+    p, ids, kept = load_pairs(c)
+    onehot = ids[:, None] == e_iota
+    row = jnp.sum(jnp.where(onehot, block_start, 0), axis=1) * block_m + rank
+    pltriton.store(pair_row_ref.at[p], jnp.where(kept, row, -1), mask=p < pairs)
+    target = jnp.where(kept, row, rows_total)
+    pltriton.store(row_token_ref.at[target], p // k, mask=kept)
+    w = pltriton.load(w_ref.at[p], mask=kept, other=0.0).astype(jnp.float32)
+    pltriton.store(row_weight_ref.at[target], w, mask=kept)
+  # 4. each block's expert, and its padding rows
+  b_iota = lax.broadcasted_iota(jnp.int32, (BLOCK_CHUNK,), 0)
+  m_iota = lax.broadcasted_iota(jnp.int32, (1, block_m), 1)
+  for c in range(-(-num_blocks // BLOCK_CHUNK)):
+    b = c * BLOCK_CHUNK + b_iota
+    live = b < num_blocks
+    in_use = b < n_used
+    expert = jnp.sum((block_end <= b[:, None]).astype(jnp.int32), axis=1)     # [BC]
+    pltriton.store(block_expert_ref.at[b], jnp.where(in_use, expert, -1), mask=live)
+    mine = expert[:, None] == e_iota                                           # [BC, E']
+    first = jnp.sum(jnp.where(mine, block_start, 0), axis=1)
+    fill = jnp.sum(jnp.where(mine, count, 0), axis=1) - (b - first) * block_m  # rows of the block that hold pairs
+    pad = live[:, None] & (~in_use[:, None] | (m_iota >= fill[:, None]))      # [BC, block_m]
+    rows = jnp.where(pad, b[:, None] * block_m + m_iota, rows_total)
+    pltriton.store(row_token_ref.at[rows], jnp.full(rows.shape, -1, jnp.int32), mask=pad)
+    pltriton.store(row_weight_ref.at[rows], jnp.zeros(rows.shape, jnp.float32), mask=pad)
+
+
+def supports(num_pairs: int, block_m: int) -> bool:
+  """Whether align_kernel takes this many pairs (the static loops' reach) and this block size."""
+  return 1 <= num_pairs <= MAX_PAIRS and block_m & (block_m - 1) == 0
+
+
+def align_kernel(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int, block_m: int, *,
+                 interpret: bool = False) -> Routing:
+  """routing.align in one Pallas Triton launch (same Routing, to the bit). topk_ids int [T, K], topk_weights [T, K],
+  T * K <= MAX_PAIRS, block_m a power of two."""
+  t, k = topk_ids.shape
+  p = t * k
+  if not supports(p, block_m):
+    raise ValueError(f"align_kernel: takes 1 to {MAX_PAIRS} pairs and a power-of-two block_m, got {p} pairs "
+                     f"(T={t}, K={k}) and block_m={block_m}; use routing.align")
+  nb = max(1, max_blocks(p, num_experts, block_m))
+  whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  out_shape = [jax.ShapeDtypeStruct((nb,), jnp.int32), jax.ShapeDtypeStruct((nb * block_m,), jnp.int32),
+               jax.ShapeDtypeStruct((nb * block_m,), jnp.float32), jax.ShapeDtypeStruct((p,), jnp.int32)]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    block_expert, row_token, row_weight, pair_row = pl.pallas_call(
+        functools.partial(_align_kernel, pairs=p, k=k, experts=int(num_experts), block_m=int(block_m),
+                          num_blocks=nb),
+        grid=(1,),
+        in_specs=[whole((p,)), whole((p,))],
+        out_specs=[whole(s.shape) for s in out_shape],
+        out_shape=out_shape,
+        interpret=bool(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name="w4a16_routing_align",
+    )(topk_ids.reshape(-1).astype(jnp.int32), topk_weights.reshape(-1))
+  return Routing(block_expert=block_expert, row_token=row_token, row_weight=row_weight,
+                 pair_row=pair_row.reshape(t, k), block_m=int(block_m))

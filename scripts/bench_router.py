@@ -5,8 +5,10 @@
 
 Times (CUPTI, every kernel of the call): the router's logits dot in fp32 (the model's), as split-K einsums, and
 with bf16 weights (what a bf16 router weight would cost); the selection (sigmoid, bias, group top-2, top-4
-groups, top-8) written with `jax.lax.top_k` as the model writes it; the whole `Router` call; and `routing.align`
-(the grouping for the grouped W4A16 kernels). Each variant's output is compared with the model's. (A sort-free
+groups, top-8) written with `jax.lax.top_k` (the XLA reference) and as moe_router's Pallas Triton kernel; the whole `Router` call
+with either; and the grouping for the grouped W4A16 kernels, `routing.align` (XLA) and
+`routing_triton.align_kernel` (one launch), at the block sizes of both kernel backends. Each variant's output is
+compared with the model's (the selection) or with routing.align's (the grouping). (A sort-free
 rank-based top-k was measured at 2d323df: selection 15-17 us against 13.9 at T=64, no gain; it was reverted.)
 Prints a table last and writes JSON (device, jax version, commit).
 """
@@ -24,7 +26,8 @@ from flax import nnx
 from mla_jax.config import ModelConfig, deepseek_v3_hf_config
 from mla_jax.model.moe import Router
 from pallas_kernels.testing import commit_id, device_time
-from pallas_kernels.w4a16 import api, routing
+from pallas_kernels import moe_router
+from pallas_kernels.w4a16 import api, routing, routing_triton
 
 SCALE = 2.5          # DeepSeek-V3's routed_scaling_factor
 
@@ -82,13 +85,31 @@ def main():
     idx, w = sel_sorted(scores, bias)
     same = bool(jnp.all(idx == ref_idx)) and float(jnp.max(jnp.abs(w - ref_w))) == 0.0
     rows.append(dict(t=t, variant="selection lax.top_k", same_as_model=same, **device_time(sel_sorted, scores, bias)))
-    graph, state = nnx.split(router)
-    f_router = jax.jit(lambda st, x: nnx.merge(graph, st)(x))
-    rows.append(dict(t=t, variant="Router (model: fp32 dot + lax.top_k)", **device_time(f_router, state, x)))
-    bm = api.default_block_m(t, 8, e)
-    f_align = jax.jit(lambda i, w: routing.align(i, w, e, bm))
-    rows.append(dict(t=t, variant=f"routing.align block_m {bm}", **device_time(f_align, ref_idx, ref_w)))
-    for r in rows[-len(logits_variants) - 3:]:
+    sel_kernel = jax.jit(lambda s, b: moe_router.triton.select_noaux_tc(s, b, k=8, n_group=8, topk_group=4))
+    idx_k, w_k = sel_kernel(scores, bias)
+    w_k = w_k / (w_k.sum(-1, keepdims=True) + 1e-20) * SCALE
+    same = bool(jnp.all(idx_k == ref_idx)) and float(jnp.max(jnp.abs(w_k - ref_w))) == 0.0
+    rows.append(dict(t=t, variant="selection moe_router triton", same_as_model=same,
+                     **device_time(sel_kernel, scores, bias)))
+    for backend in ("auto", "xla"):
+      router.select_backend = backend
+      graph, state = nnx.split(router)
+      f_router = jax.jit(lambda st, x: nnx.merge(graph, st)(x))
+      rows.append(dict(t=t, variant=f"Router (model: fp32 dot + select {backend})", **device_time(f_router, state, x)))
+    router.select_backend = "auto"
+    for backend in ("triton", "mosaic_sm90"):
+      bm = api.default_block_m(t, 8, e, backend)
+      f_align = jax.jit(lambda i, w: routing.align(i, w, e, bm))
+      want = f_align(ref_idx, ref_w)
+      rows.append(dict(t=t, variant=f"routing.align block_m {bm}", **device_time(f_align, ref_idx, ref_w)))
+      if t > 1:
+        f_kernel = jax.jit(lambda i, w: routing_triton.align_kernel(i, w, e, bm))
+        got = f_kernel(ref_idx, ref_w)
+        same = all(bool(jnp.array_equal(getattr(got, n), getattr(want, n)))
+                   for n in ("block_expert", "row_token", "row_weight", "pair_row"))
+        rows.append(dict(t=t, variant=f"align_kernel block_m {bm}", same_as_model=same,
+                         **device_time(f_kernel, ref_idx, ref_w)))
+    for r in rows[-len(logits_variants) - 8:]:
       print(f"[time] T={r['t']} {r['variant']}: {r['us']:.1f} us {r.get('kernels')}", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

@@ -109,3 +109,31 @@ def test_dense_unroll_2_vs_float64_and_overlap_off(m, k):
   assert y.shape == (m, n) and np.isfinite(y).all()
   assert max_rel(y.astype(np.float64), np.asarray(x, np.float64) @ deq64(q, z, s, g)) < 1e-2
   np.testing.assert_array_equal(y, y_off)
+
+
+@pytest.mark.parametrize("t,k,e,block_m,kind", [(64, 8, 256, 8, "uniform"), (128, 8, 256, 16, "dropped"),
+                                                (7, 6, 160, 16, "repeats"), (33, 3, 5, 4, "few"),
+                                                (16, 8, 256, 8, "one_expert")])
+def test_align_kernel_on_gpu_matches_align(t, k, e, block_m, kind):
+  """The grouping's Pallas Triton kernel compiled for the GPU (its scattered and masked stores from many threads)
+  against the XLA grouping, every array to the bit."""
+  from pallas_kernels.w4a16 import routing, routing_triton
+  from test_w4a16 import routing_case
+  ids, wts = routing_case(np.random.default_rng(t * 1000 + e), t, k, e, kind)
+  want = routing.align(jnp.asarray(ids), jnp.asarray(wts), e, block_m)
+  got = routing_triton.align_kernel(jnp.asarray(ids), jnp.asarray(wts), e, block_m)
+  for field in ("block_expert", "row_token", "row_weight", "pair_row"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), err_msg=field)
+
+
+@pytest.mark.parametrize("t,kind", [(1, "random"), (64, "random"), (33, "ties"), (256, "random")])
+def test_router_select_kernel_on_gpu_matches_reference(t, kind):
+  """moe_router's selection kernel on the GPU against the jax.lax.top_k reference (DeepSeek-V3's 8 x 32 experts,
+  top-4 groups, top-8), ids and weights to the bit."""
+  from pallas_kernels.moe_router import reference, triton
+  from test_moe_router import scores_case
+  scores, bias = scores_case(np.random.default_rng(t), t, 256, kind)
+  want = reference.select_noaux_tc(scores, bias, k=8, n_group=8, topk_group=4)
+  got = triton.select_noaux_tc(scores, bias, k=8, n_group=8, topk_group=4)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

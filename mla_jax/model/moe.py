@@ -19,6 +19,7 @@ from flax import nnx
 from mla_jax.config import ModelConfig
 from mla_jax.model.layers import MLP, matmul_precision
 from mla_jax.quant.awq import AWQExperts
+from pallas_kernels import moe_router
 
 _INIT_STD = 0.02
 
@@ -26,8 +27,12 @@ _INIT_STD = 0.02
 class Router(nnx.Module):
     """HF `mlp.gate`: kernel [D, E] (HF weight [E, D]) and, for noaux_tc, e_score_correction_bias [E]; fp32 always."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, select_backend: str = "auto"):
         self.cfg = cfg
+        # noaux_tc's selection: pallas_kernels.moe_router ("auto": its Pallas Triton kernel on a CUDA GPU, else XLA's
+        # jax.lax.top_k; the same ids and weights either way)
+        self.select_backend = select_backend
+        self.interpret = False
         E, D = cfg.n_routed_experts, cfg.hidden_size
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (D, E), jnp.float32) * _INIT_STD)
         if cfg.topk_method == "noaux_tc":
@@ -47,12 +52,11 @@ class Router(nnx.Module):
         if cfg.topk_method == "greedy":
             topk_w, topk_idx = jax.lax.top_k(scores, K)
         elif cfg.topk_method == "noaux_tc":
-            # Selection uses bias-corrected scores; groups ranked by the sum of their top-2 corrected scores.
-            choice = scores + self.e_score_correction_bias[...]
-            group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)        # [T, G]
-            choice = jnp.where(self._group_mask(group_score), choice, -jnp.inf)
-            _, topk_idx = jax.lax.top_k(choice, K)
-            topk_w = jnp.take_along_axis(scores, topk_idx, axis=-1)                       # unbiased weights
+            # Selection uses bias-corrected scores; groups ranked by the sum of their top-2 corrected scores; the
+            # weights are the unbiased scores (moe_router.reference.select_noaux_tc writes it out)
+            topk_idx, topk_w = moe_router.select_experts(
+                scores, self.e_score_correction_bias[...], k=K, n_group=G, topk_group=cfg.topk_group,
+                backend=self.select_backend, interpret=self.interpret)                      # [T, K], [T, K]
         else:  # group_limited_greedy (DeepSeek-V2): groups ranked by their best expert; others' scores -> 0
             group_score = scores.reshape(T, G, E // G).max(-1)
             masked = jnp.where(self._group_mask(group_score), scores, 0.0)

@@ -20,7 +20,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from mla_jax.config import ModelConfig, deepseek_v3_hf_config

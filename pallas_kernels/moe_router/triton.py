@@ -6,7 +6,9 @@ reference.select_noaux_tc (tests compare them).
 Each top-k is a loop of picks: the largest value left, the lowest index holding it (jax.lax.top_k's tie order),
 then that index taken out. The group score is the sum of a group's two best corrected scores (the best taken out
 once, so a repeated best counts twice, as top_k's two values do). Powers of two throughout (Pallas Triton): E / G
-and G as they come (DeepSeek-V3: 8 x 32), k padded to a power of two in the stores' lanes.
+and G as they come (DeepSeek-V3: 8 x 32), k padded to a power of two in the stores' lanes. A NaN score matches no
+pick: its token's ids there come out as E, out of range, which the grouped MoE drops (the token's hidden state is
+NaN already).
 """
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
-"""routing.align as one Pallas Triton program (sm80+; CPU with interpret=True): the grouping of a decode batch's
+"""routing.align as one Pallas Triton launch (sm80+; CPU with interpret=True): the grouping of a decode batch's
 (token, expert) pairs by expert in a single launch instead of XLA's ~10 small kernels (~13 µs at T = 64 on an
 H200, NOTES.md). Same Routing, to the bit, as routing.align (the reference the tests compare it with).
 
-One program walks the P = T*K pairs in chunks of PAIR_CHUNK and the blocks in chunks of BLOCK_CHUNK (static loops,
-every array a power of two, as Pallas Triton needs):
-1. per pair chunk, a one-hot [C, E'] of its experts (E' = E padded to a power of two; dropped ids match nothing)
-   gives each pair the count of earlier pairs of its expert in earlier chunks; a [C, C] compare adds those in its
-   own chunk: the pair's rank in its expert's run. The one-hot's column sums carry the per-expert counts.
-2. blocks per expert = ceil(count / block_m); their cumsum is each expert's first block.
-3. per pair chunk again: row = first block of its expert x block_m + rank -> pair_row, and row_token / row_weight
-   scattered to that row (a kept pair's row is unique; dropped pairs store nothing).
-4. per block chunk: the block's expert = experts whose blocks end at or before it (-1 past the blocks in use), and
-   its padding rows (past its expert's count) get token -1 / weight 0 by a masked store.
+Program c takes pair chunk c (PAIR_CHUNK pairs) and block chunk c (BLOCK_CHUNK blocks); every array a power of
+two, as Pallas Triton needs:
+1. a one-hot [C, E'] of each pair chunk's experts (E' = E padded to a power of two; dropped ids match nothing),
+   summed over its pairs, gives the per-expert counts of all pairs and of the chunks before c (every program walks
+   all chunks: P <= MAX_PAIRS keeps that a few thousand cycles, and the programs run side by side);
+2. blocks per expert = ceil(count / block_m); their cumsum is each expert's first block;
+3. a pair's rank in its expert's run = that expert's count before chunk c + a [C, C] compare within the chunk;
+   row = first block of its expert x block_m + rank -> pair_row, and row_token / row_weight scattered to that row
+   (a kept pair's row is unique; dropped pairs store nothing);
+4. a block's expert = experts whose blocks end at or before it (-1 past the blocks in use), and its padding rows
+   (past its expert's count) get token -1 / weight 0 by a masked store.
 Steps 3 and 4 write disjoint elements, so no ordering between threads is needed.
 """
 from __future__ import annotations
@@ -55,48 +56,49 @@ def _align_kernel(ids_ref, w_ref, block_expert_ref, row_token_ref, row_weight_re
     kept = live & (ids >= 0) & (ids < experts)
     return p, jnp.where(kept, ids, -1), kept
 
-  # 1. ranks within each expert's run, and the counts
+  me = pl.program_id(0)
+  # 1. the per-expert counts of all pairs and of the pairs in chunks before this program's
   count = jnp.zeros((1, ep), jnp.int32)
-  ranks = []
+  before = jnp.zeros((1, ep), jnp.int32)
   for c in range(-(-pairs // chunk)):
     _, ids, _ = load_pairs(c)
-    onehot = (ids[:, None] == e_iota).astype(jnp.int32)                        # [C, E']
-    same = (ids[:, None] == ids[None, :]) & earlier
-    ranks.append(jnp.sum(onehot * count, axis=1) + jnp.sum(same.astype(jnp.int32), axis=1))
-    count = count + jnp.sum(onehot, axis=0, keepdims=True)
+    in_chunk = jnp.sum((ids[:, None] == e_iota).astype(jnp.int32), axis=0, keepdims=True)     # [1, E']
+    count = count + in_chunk
+    before = before + jnp.where(c < me, in_chunk, 0)
   # 2. each expert's blocks
   blocks = (count + block_m - 1) // block_m                                    # [1, E']
   block_end = jnp.cumsum(blocks, axis=1)
   block_start = block_end - blocks
   n_used = jnp.sum(blocks)
-  # 3. each kept pair's row; token and weight scattered there. Masked lanes index past the end (interpret mode
-  # writes a masked lane's old value back, which must not land on an element another lane writes)
+  # 3. this program's pairs: rank within the expert's run, row; token and weight scattered there. Masked lanes
+  # index past the end (interpret mode writes a masked lane's old value back, which must not land on an element
+  # another lane writes)
   rows_total = num_blocks * block_m
-  for c, rank in enumerate(ranks):
-    p, ids, kept = load_pairs(c)
-    onehot = ids[:, None] == e_iota
-    row = jnp.sum(jnp.where(onehot, block_start, 0), axis=1) * block_m + rank
-    pltriton.store(pair_row_ref.at[p], jnp.where(kept, row, -1), mask=p < pairs)
-    target = jnp.where(kept, row, rows_total)
-    pltriton.store(row_token_ref.at[target], p // k, mask=kept)
-    w = pltriton.load(w_ref.at[p], mask=kept, other=0.0).astype(jnp.float32)
-    pltriton.store(row_weight_ref.at[target], w, mask=kept)
-  # 4. each block's expert, and its padding rows
+  p, ids, kept = load_pairs(me)
+  onehot = ids[:, None] == e_iota                                              # [C, E']
+  same = (ids[:, None] == ids[None, :]) & earlier
+  rank = jnp.sum(jnp.where(onehot, before, 0), axis=1) + jnp.sum(same.astype(jnp.int32), axis=1)
+  row = jnp.sum(jnp.where(onehot, block_start, 0), axis=1) * block_m + rank
+  pltriton.store(pair_row_ref.at[p], jnp.where(kept, row, -1), mask=p < pairs)
+  target = jnp.where(kept, row, rows_total)
+  pltriton.store(row_token_ref.at[target], p // k, mask=kept)
+  w = pltriton.load(w_ref.at[p], mask=kept, other=0.0).astype(jnp.float32)
+  pltriton.store(row_weight_ref.at[target], w, mask=kept)
+  # 4. this program's blocks: expert, and padding rows
   b_iota = lax.broadcasted_iota(jnp.int32, (BLOCK_CHUNK,), 0)
   m_iota = lax.broadcasted_iota(jnp.int32, (1, block_m), 1)
-  for c in range(-(-num_blocks // BLOCK_CHUNK)):
-    b = c * BLOCK_CHUNK + b_iota
-    live = b < num_blocks
-    in_use = b < n_used
-    expert = jnp.sum((block_end <= b[:, None]).astype(jnp.int32), axis=1)     # [BC]
-    pltriton.store(block_expert_ref.at[b], jnp.where(in_use, expert, -1), mask=live)
-    mine = expert[:, None] == e_iota                                           # [BC, E']
-    first = jnp.sum(jnp.where(mine, block_start, 0), axis=1)
-    fill = jnp.sum(jnp.where(mine, count, 0), axis=1) - (b - first) * block_m  # rows of the block that hold pairs
-    pad = live[:, None] & (~in_use[:, None] | (m_iota >= fill[:, None]))      # [BC, block_m]
-    rows = jnp.where(pad, b[:, None] * block_m + m_iota, rows_total)
-    pltriton.store(row_token_ref.at[rows], jnp.full(rows.shape, -1, jnp.int32), mask=pad)
-    pltriton.store(row_weight_ref.at[rows], jnp.zeros(rows.shape, jnp.float32), mask=pad)
+  b = me * BLOCK_CHUNK + b_iota
+  live = b < num_blocks
+  in_use = b < n_used
+  expert = jnp.sum((block_end <= b[:, None]).astype(jnp.int32), axis=1)       # [BC]
+  pltriton.store(block_expert_ref.at[b], jnp.where(in_use, expert, -1), mask=live)
+  mine = expert[:, None] == e_iota                                             # [BC, E']
+  first = jnp.sum(jnp.where(mine, block_start, 0), axis=1)
+  fill = jnp.sum(jnp.where(mine, count, 0), axis=1) - (b - first) * block_m    # rows of the block that hold pairs
+  pad = live[:, None] & (~in_use[:, None] | (m_iota >= fill[:, None]))        # [BC, block_m]
+  rows = jnp.where(pad, b[:, None] * block_m + m_iota, rows_total)
+  pltriton.store(row_token_ref.at[rows], jnp.full(rows.shape, -1, jnp.int32), mask=pad)
+  pltriton.store(row_weight_ref.at[rows], jnp.zeros(rows.shape, jnp.float32), mask=pad)
 
 
 def supports(num_pairs: int, block_m: int) -> bool:
@@ -122,7 +124,7 @@ def align_kernel(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int,
     block_expert, row_token, row_weight, pair_row = pl.pallas_call(
         functools.partial(_align_kernel, pairs=p, k=k, experts=int(num_experts), block_m=int(block_m),
                           num_blocks=nb),
-        grid=(1,),
+        grid=(max(-(-p // min(PAIR_CHUNK, _pow2(p))), -(-nb // BLOCK_CHUNK)),),
         in_specs=[whole((p,)), whole((p,))],
         out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape,

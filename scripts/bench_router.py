@@ -5,8 +5,8 @@
 
 Times (CUPTI, every kernel of the call): the router's logits dot in fp32 (the model's), as split-K einsums, and
 with bf16 weights (what a bf16 router weight would cost); the selection (sigmoid, bias, group top-2, top-4
-groups, top-8) written with `jax.lax.top_k` (the XLA reference) and as moe_router's Pallas Triton kernel; the whole `Router` call
-with either; and the grouping for the grouped W4A16 kernels, `routing.align` (XLA) and
+groups, top-8) written with `jax.lax.top_k` (moe_router's XLA reference) and as moe_router's Pallas Triton kernel;
+the whole `Router` call with either; and the grouping for the grouped W4A16 kernels, `routing.align` (XLA) and
 `routing_triton.align_kernel` (one launch), at the block sizes of both kernel backends. Each variant's output is
 compared with the model's (the selection) or with routing.align's (the grouping). (A sort-free
 rank-based top-k was measured at 2d323df: selection 15-17 us against 13.9 at T=64, no gain; it was reverted.)
@@ -31,17 +31,12 @@ from pallas_kernels.w4a16 import api, routing, routing_triton
 SCALE = 2.5          # DeepSeek-V3's routed_scaling_factor
 
 
-def sorted_selection(scores, bias, *, k, groups, topk_group):
-  """The selection as it was written with jax.lax.top_k (the baseline): noaux_tc, norm_topk_prob, scale 2.5."""
-  t, e = scores.shape
-  choice = scores + bias
-  group_score = jax.lax.top_k(choice.reshape(t, groups, e // groups), 2)[0].sum(-1)
-  _, gidx = jax.lax.top_k(group_score, topk_group)
-  keep = jnp.repeat(jnp.any(jax.nn.one_hot(gidx, groups, dtype=jnp.bool_), axis=1), e // groups, axis=-1)
-  _, idx = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), k)
-  w = jnp.take_along_axis(scores, idx, axis=-1)
-  w = w / (w.sum(-1, keepdims=True) + 1e-20) * SCALE
-  return idx.astype(jnp.int32), w
+def normalised(select):
+  """A selection (scores, bias -> ids, weights) with the model's norm_topk_prob and routed scaling applied."""
+  def fn(scores, bias):
+    idx, w = select(scores, bias, k=8, n_group=8, topk_group=4)
+    return idx, w / (w.sum(-1, keepdims=True) + 1e-20) * SCALE
+  return fn
 
 
 def main():
@@ -72,6 +67,7 @@ def main():
   }
   rows = []
   for t in [int(v) for v in args.ts.split(",")]:
+    first = len(rows)
     x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
     ref_logits = jnp.dot(x.astype(jnp.float32), kernel, precision=hi)
     for name, (fn, w) in logits_variants.items():
@@ -80,16 +76,12 @@ def main():
       rows.append(dict(t=t, variant=name, rel_err=err, **device_time(f, x, w)))
     scores = jax.nn.sigmoid(ref_logits)
     ref_idx, ref_w = router(x)
-    sel_sorted = jax.jit(lambda s, b: sorted_selection(s, b, k=8, groups=8, topk_group=4))
-    idx, w = sel_sorted(scores, bias)
-    same = bool(jnp.all(idx == ref_idx)) and float(jnp.max(jnp.abs(w - ref_w))) == 0.0
-    rows.append(dict(t=t, variant="selection lax.top_k", same_as_model=same, **device_time(sel_sorted, scores, bias)))
-    sel_kernel = jax.jit(lambda s, b: moe_router.triton.select_noaux_tc(s, b, k=8, n_group=8, topk_group=4))
-    idx_k, w_k = sel_kernel(scores, bias)
-    w_k = w_k / (w_k.sum(-1, keepdims=True) + 1e-20) * SCALE
-    same = bool(jnp.all(idx_k == ref_idx)) and float(jnp.max(jnp.abs(w_k - ref_w))) == 0.0
-    rows.append(dict(t=t, variant="selection moe_router triton", same_as_model=same,
-                     **device_time(sel_kernel, scores, bias)))
+    for name, select in (("lax.top_k", moe_router.reference.select_noaux_tc),
+                         ("moe_router triton", moe_router.triton.select_noaux_tc)):
+      f_select = jax.jit(normalised(select))
+      idx, w = f_select(scores, bias)
+      same = bool(jnp.all(idx == ref_idx)) and float(jnp.max(jnp.abs(w - ref_w))) == 0.0
+      rows.append(dict(t=t, variant=f"selection {name}", same_as_model=same, **device_time(f_select, scores, bias)))
     for backend in ("auto", "xla"):
       router.select_backend = backend
       graph, state = nnx.split(router)
@@ -108,7 +100,7 @@ def main():
                    for n in ("block_expert", "row_token", "row_weight", "pair_row"))
         rows.append(dict(t=t, variant=f"align_kernel block_m {bm}", same_as_model=same,
                          **device_time(f_kernel, ref_idx, ref_w)))
-    for r in rows[-len(logits_variants) - 8:]:
+    for r in rows[first:]:
       print(f"[time] T={r['t']} {r['variant']}: {r['us']:.1f} us {r.get('kernels')}", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

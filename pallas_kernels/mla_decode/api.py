@@ -41,6 +41,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.device_info import compute_capability
 from pallas_kernels.mla_decode.cache import LATENT_DIM, ROPE_DIM, MLAKVCache, check_cache_dtype
 
 logger = logging.getLogger("pallas_kernels")
@@ -65,13 +66,8 @@ class Target:
 
 
 def _device_target(device, cache_dtype: str, interpret: bool) -> Target:
-  cc = getattr(device, "compute_capability", None)
-  if isinstance(cc, str) and cc:
-    major, _, minor = cc.partition(".")
-    cc = (int(major), int(minor or 0))
-  else:
-    cc = None
-  return Target(platform=device.platform, device_kind=device.device_kind, compute_capability=cc,
+  return Target(platform=device.platform, device_kind=device.device_kind,
+                compute_capability=compute_capability(device),
                 cache_dtype=cache_dtype, interpret=interpret)
 
 

@@ -10,6 +10,7 @@ import logging
 
 import jax
 
+from pallas_kernels.device_info import compute_capability
 from pallas_kernels.moe_router import reference, triton
 
 logger = logging.getLogger(__name__)
@@ -25,8 +26,7 @@ def resolve_backend(requested: str, num_experts: int, n_group: int, k: int, inte
   if requested == "xla":
     return "xla", "requested"
   device = device or jax.devices()[0]
-  cc = getattr(device, "compute_capability", None)
-  cc = tuple(int(c) for c in str(cc).split(".")) if cc else None
+  cc = compute_capability(device)
   on_gpu = device.platform == "gpu" and cc is not None and cc >= (8, 0)
   shape_ok = triton.supports(num_experts, n_group, k)
   if requested == "triton":

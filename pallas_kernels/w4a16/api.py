@@ -32,6 +32,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.device_info import compute_capability
 from pallas_kernels.w4a16 import layout, mosaic_sm90, reference, routing, routing_triton, triton
 
 logger = logging.getLogger("pallas_kernels")
@@ -45,14 +46,6 @@ KERNEL_BACKENDS = {"triton": triton, "mosaic_sm90": mosaic_sm90}   # backend nam
 MOSAIC_MIN_WEIGHTS = 1 << 20
 
 
-def _compute_capability(device) -> tuple[int, int] | None:
-  cc = getattr(device, "compute_capability", None)
-  if isinstance(cc, str) and cc:
-    major, _, minor = cc.partition(".")
-    return int(major), int(minor or 0)
-  return None
-
-
 def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=None,
                     group_size: int | None = None, weight_elems: int | None = None) -> tuple[str, str]:
   """(backend name, reason) for a w4a16 call; raises ValueError for a request that cannot run. weight_elems: K·N
@@ -60,7 +53,7 @@ def resolve_backend(requested: str, x_dtype, interpret: bool = False, device=Non
   if requested not in BACKEND_NAMES:
     raise ValueError(f"w4a16 backend {requested!r} is unknown; choose one of {BACKEND_NAMES}.")
   device = device or jax.devices()[0]
-  cc = _compute_capability(device)
+  cc = compute_capability(device)
   on_gpu = device.platform == "gpu" and cc is not None and cc >= (8, 0)
   where = (f"{device.device_kind} (compute capability {cc[0]}.{cc[1]})" if cc else f"{device.platform} device")
   bf16 = jnp.dtype(x_dtype) == jnp.bfloat16

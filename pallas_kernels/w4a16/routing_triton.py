@@ -31,9 +31,9 @@ with warnings.catch_warnings():
 
 from pallas_kernels.w4a16.routing import Routing, max_blocks
 
-PAIR_CHUNK = 64      # pairs a step ([64, E'] one-hot: 64 int32 a thread at E' = 256 and 8 warps)
-BLOCK_CHUNK = 32     # blocks a step ([32, E'] compares)
-MAX_PAIRS = 1024     # the static loops' reach (T = 128 at top-8); larger batches take routing.align
+PAIR_CHUNK = 64      # pairs a chunk ([64, E'] one-hot: 64 int32 a thread at E' = 256 and 8 warps)
+BLOCK_CHUNK = 32     # blocks a chunk ([32, E'] compares)
+MAX_PAIRS = 1024     # every program walks all pairs' chunks (T = 128 at top-8); larger batches take routing.align
 NUM_WARPS = 8
 
 

@@ -4,9 +4,10 @@ H200, NOTES.md). Same Routing, to the bit, as routing.align (the reference the t
 
 Program c takes pair chunk c (PAIR_CHUNK pairs) and block chunk c (BLOCK_CHUNK blocks); every array a power of
 two, as Pallas Triton needs:
-1. a one-hot [C, E'] of each pair chunk's experts (E' = E padded to a power of two; dropped ids match nothing),
-   summed over its pairs, gives the per-expert counts of all pairs and of the chunks before c (every program walks
-   all chunks: P <= MAX_PAIRS keeps that a few thousand cycles, and the programs run side by side);
+1. the one-hots [C, E'] of the pair chunks' experts (E' = E padded to a power of two; dropped ids match nothing),
+   summed, give the per-expert counts of all pairs and of the chunks before c (every program walks all chunks:
+   P <= MAX_PAIRS keeps that a few thousand cycles, and the programs run side by side). All loads come first: the
+   kernel is latency-bound, and a reduction's barrier between loads would serialise their round trips;
 2. blocks per expert = ceil(count / block_m); their cumsum is each expert's first block;
 3. a pair's rank in its expert's run = that expert's count before chunk c + a [C, C] compare within the chunk;
    row = first block of its expert x block_m + rank -> pair_row, and row_token / row_weight scattered to that row
@@ -57,32 +58,36 @@ def _align_kernel(ids_ref, w_ref, block_expert_ref, row_token_ref, row_weight_re
     return p, jnp.where(kept, ids, -1), kept
 
   me = pl.program_id(0)
-  # 1. the per-expert counts of all pairs and of the pairs in chunks before this program's
-  count = jnp.zeros((1, ep), jnp.int32)
-  before = jnp.zeros((1, ep), jnp.int32)
-  for c in range(-(-pairs // chunk)):
-    _, ids, _ = load_pairs(c)
-    in_chunk = jnp.sum((ids[:, None] == e_iota).astype(jnp.int32), axis=0, keepdims=True)     # [1, E']
-    count = count + in_chunk
-    before = before + jnp.where(c < me, in_chunk, 0)
+  p, ids, kept = load_pairs(me)                                                # this program's pairs (step 3)
+  w = pltriton.load(w_ref.at[p], mask=kept, other=0.0).astype(jnp.float32)
+  # 1. the per-expert counts of all pairs and of the pairs in chunks before this program's. Every chunk's load is
+  # issued before any compute (the reductions' barriers would otherwise serialise one memory round trip a chunk),
+  # and the one-hots are summed elementwise, with one column sum at the end instead of one a chunk
+  chunks = [load_pairs(c)[1] for c in range(-(-pairs // chunk))]
+  all_hits = jnp.zeros((chunk, ep), jnp.int32)
+  earlier_hits = jnp.zeros((chunk, ep), jnp.int32)
+  for c, chunk_ids in enumerate(chunks):
+    hit = (chunk_ids[:, None] == e_iota).astype(jnp.int32)                    # [C, E']
+    all_hits = all_hits + hit
+    earlier_hits = earlier_hits + jnp.where(c < me, hit, 0)
+  count = jnp.sum(all_hits, axis=0, keepdims=True)                             # [1, E']
+  before = jnp.sum(earlier_hits, axis=0, keepdims=True)
   # 2. each expert's blocks
   blocks = (count + block_m - 1) // block_m                                    # [1, E']
   block_end = jnp.cumsum(blocks, axis=1)
   block_start = block_end - blocks
   n_used = jnp.sum(blocks)
-  # 3. this program's pairs: rank within the expert's run, row; token and weight scattered there. Masked lanes
-  # index past the end (interpret mode writes a masked lane's old value back, which must not land on an element
-  # another lane writes)
+  # 3. this program's pairs: row = expert's first row + count before the chunk + earlier same-expert pairs in it;
+  # token and weight scattered there. Masked lanes index past the end (interpret mode writes a masked lane's old
+  # value back, which must not land on an element another lane writes)
   rows_total = num_blocks * block_m
-  p, ids, kept = load_pairs(me)
   onehot = ids[:, None] == e_iota                                              # [C, E']
-  same = (ids[:, None] == ids[None, :]) & earlier
-  rank = jnp.sum(jnp.where(onehot, before, 0), axis=1) + jnp.sum(same.astype(jnp.int32), axis=1)
-  row = jnp.sum(jnp.where(onehot, block_start, 0), axis=1) * block_m + rank
+  same = (ids[:, None] == ids[None, :]) & earlier                              # [C, C]
+  row = (jnp.sum(jnp.where(onehot, block_start * block_m + before, 0), axis=1)
+         + jnp.sum(same.astype(jnp.int32), axis=1))
   pltriton.store(pair_row_ref.at[p], jnp.where(kept, row, -1), mask=p < pairs)
   target = jnp.where(kept, row, rows_total)
   pltriton.store(row_token_ref.at[target], p // k, mask=kept)
-  w = pltriton.load(w_ref.at[p], mask=kept, other=0.0).astype(jnp.float32)
   pltriton.store(row_weight_ref.at[target], w, mask=kept)
   # 4. this program's blocks: expert, and padding rows
   b_iota = lax.broadcasted_iota(jnp.int32, (BLOCK_CHUNK,), 0)
@@ -93,8 +98,8 @@ def _align_kernel(ids_ref, w_ref, block_expert_ref, row_token_ref, row_weight_re
   expert = jnp.sum((block_end <= b[:, None]).astype(jnp.int32), axis=1)       # [BC]
   pltriton.store(block_expert_ref.at[b], jnp.where(in_use, expert, -1), mask=live)
   mine = expert[:, None] == e_iota                                             # [BC, E']
-  first = jnp.sum(jnp.where(mine, block_start, 0), axis=1)
-  fill = jnp.sum(jnp.where(mine, count, 0), axis=1) - (b - first) * block_m    # rows of the block that hold pairs
+  # rows of the block that hold pairs: count - (b - first block) x block_m, one column sum
+  fill = jnp.sum(jnp.where(mine, count + block_start * block_m, 0), axis=1) - b * block_m
   pad = live[:, None] & (~in_use[:, None] | (m_iota >= fill[:, None]))        # [BC, block_m]
   rows = jnp.where(pad, b[:, None] * block_m + m_iota, rows_total)
   pltriton.store(row_token_ref.at[rows], jnp.full(rows.shape, -1, jnp.int32), mask=pad)

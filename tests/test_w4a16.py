@@ -229,6 +229,18 @@ def test_align_kernel_matches_align(t, k, e, block_m, kind):
     np.testing.assert_array_equal(a, b, err_msg=field)
 
 
+@pytest.mark.parametrize("t,k,e,block_m,pair_chunk", [(64, 8, 256, 8, 32), (33, 3, 5, 4, 8), (16, 8, 256, 16, 256)])
+def test_align_kernel_pair_chunk_is_only_a_knob(t, k, e, block_m, pair_chunk):
+  # pairs a program takes (more programs, or fewer than the blocks' chunks): the same Routing
+  from pallas_kernels.w4a16 import routing_triton
+  ids, wts = routing_case(np.random.default_rng(t * 7 + pair_chunk), t, k, e, "dropped")
+  want = routing.align(jnp.asarray(ids), jnp.asarray(wts), e, block_m)
+  got = routing_triton.align_kernel(jnp.asarray(ids), jnp.asarray(wts), e, block_m, interpret=True,
+                                    pair_chunk=pair_chunk)
+  for field in ("block_expert", "row_token", "row_weight", "pair_row"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), err_msg=field)
+
+
 def test_align_kernel_refuses_what_it_cannot_take():
   from pallas_kernels.w4a16 import routing_triton
   ids, wts = jnp.zeros((129, 8), jnp.int32), jnp.ones((129, 8), jnp.float32)
@@ -237,6 +249,8 @@ def test_align_kernel_refuses_what_it_cannot_take():
     routing_triton.align_kernel(ids, wts, 256, 8)
   with pytest.raises(ValueError, match="power-of-two block_m"):
     routing_triton.align_kernel(ids[:2], wts[:2], 256, 12)
+  with pytest.raises(ValueError, match="pair_chunk must be a power of two"):
+    routing_triton.align_kernel(ids[:2], wts[:2], 256, 8, pair_chunk=48)
   # the op falls back to the XLA grouping there (and for one token), with the same result
   rt = api.align(ids[:2, :3], wts[:2, :3], 256, 12)
   assert rt.block_m == 12 and rt.row_token.shape[0] == routing.max_blocks(6, 256, 12) * 12

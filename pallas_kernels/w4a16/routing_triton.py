@@ -43,9 +43,8 @@ def _pow2(n: int) -> int:
 
 
 def _align_kernel(ids_ref, w_ref, block_expert_ref, row_token_ref, row_weight_ref, pair_row_ref, *,
-                  pairs: int, k: int, experts: int, block_m: int, num_blocks: int):
+                  pairs: int, k: int, experts: int, block_m: int, num_blocks: int, chunk: int):
   ep = _pow2(experts)
-  chunk = min(PAIR_CHUNK, _pow2(pairs))
   e_iota = lax.broadcasted_iota(jnp.int32, (1, ep), 1)
   c_iota = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   earlier = c_iota[None, :] < c_iota[:, None]                                  # [C (pair), C (earlier pair)]
@@ -112,14 +111,18 @@ def supports(num_pairs: int, block_m: int) -> bool:
 
 
 def align_kernel(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int, block_m: int, *,
-                 interpret: bool = False) -> Routing:
+                 interpret: bool = False, num_warps: int = NUM_WARPS, pair_chunk: int = PAIR_CHUNK) -> Routing:
   """routing.align in one Pallas Triton launch (same Routing, to the bit). topk_ids int [T, K], topk_weights [T, K],
-  T * K <= MAX_PAIRS, block_m a power of two."""
+  T * K <= MAX_PAIRS, block_m a power of two. num_warps and pair_chunk (a power of two: pairs a program takes, and
+  the one-hot's rows) are tuning knobs; any values give the same Routing."""
   t, k = topk_ids.shape
   p = t * k
   if not supports(p, block_m):
     raise ValueError(f"align_kernel: takes 1 to {MAX_PAIRS} pairs and a power-of-two block_m, got {p} pairs "
                      f"(T={t}, K={k}) and block_m={block_m}; use routing.align")
+  if pair_chunk < 1 or pair_chunk & (pair_chunk - 1):
+    raise ValueError(f"align_kernel: pair_chunk must be a power of two, got {pair_chunk}")
+  chunk = min(int(pair_chunk), _pow2(p))
   nb = max(1, max_blocks(p, num_experts, block_m))
   whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
   out_shape = [jax.ShapeDtypeStruct((nb,), jnp.int32), jax.ShapeDtypeStruct((nb * block_m,), jnp.int32),
@@ -128,13 +131,13 @@ def align_kernel(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int,
     warnings.simplefilter("ignore", DeprecationWarning)
     block_expert, row_token, row_weight, pair_row = pl.pallas_call(
         functools.partial(_align_kernel, pairs=p, k=k, experts=int(num_experts), block_m=int(block_m),
-                          num_blocks=nb),
-        grid=(max(-(-p // min(PAIR_CHUNK, _pow2(p))), -(-nb // BLOCK_CHUNK)),),
+                          num_blocks=nb, chunk=chunk),
+        grid=(max(-(-p // chunk), -(-nb // BLOCK_CHUNK)),),
         in_specs=[whole((p,)), whole((p,))],
         out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape,
         interpret=bool(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=int(num_warps), num_stages=1),
         name="w4a16_routing_align",
     )(topk_ids.reshape(-1).astype(jnp.int32), topk_weights.reshape(-1))
   return Routing(block_expert=block_expert, row_token=row_token, row_weight=row_weight,

@@ -32,10 +32,10 @@ with warnings.catch_warnings():
 
 from pallas_kernels.w4a16.routing import Routing, max_blocks
 
-PAIR_CHUNK = 64      # pairs a chunk ([64, E'] one-hot: 64 int32 a thread at E' = 256 and 8 warps)
+PAIR_CHUNK = 32      # pairs a program and a one-hot chunk ([32, E']); 32 at 8 warps measured fastest (NOTES v30)
 BLOCK_CHUNK = 32     # blocks a chunk ([32, E'] compares)
 MAX_PAIRS = 1024     # every program walks all pairs' chunks (T = 128 at top-8); larger batches take routing.align
-NUM_WARPS = 8
+NUM_WARPS = 8        # 4 warps at 64 pairs a chunk ran 10x slower (two [64, E'] accumulators, 256 int32 a thread)
 
 
 def _pow2(n: int) -> int:

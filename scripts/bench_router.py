@@ -93,18 +93,17 @@ def main():
       f_align = jax.jit(lambda i, w: routing.align(i, w, e, bm))
       want = f_align(ref_idx, ref_w)
       rows.append(dict(t=t, variant=f"routing.align block_m {bm}", **device_time(f_align, ref_idx, ref_w)))
-      # the kernel's default, then its knobs (warps, pairs a program): which way the fixed latency moves
-      for warps, chunk in ((routing_triton.NUM_WARPS, routing_triton.PAIR_CHUNK), (4, 32), (4, 64), (16, 64), (8, 32)):
-        if t == 1 or (backend == "mosaic_sm90" and (warps, chunk) != (routing_triton.NUM_WARPS,
-                                                                      routing_triton.PAIR_CHUNK)):
-          continue
+      # the kernel's default, then its knobs (warps, pairs a program) around it, at the triton backend's block_m
+      default = (routing_triton.NUM_WARPS, routing_triton.PAIR_CHUNK)
+      knob_sets = [default] + ([kn for kn in ((4, 32), (8, 64), (16, 32)) if kn != default]
+                               if backend == "triton" else [])
+      for warps, chunk in knob_sets if t > 1 else []:
         f_kernel = jax.jit(lambda i, w, warps=warps, chunk=chunk: routing_triton.align_kernel(
             i, w, e, bm, num_warps=warps, pair_chunk=chunk))
         got = f_kernel(ref_idx, ref_w)
         same = all(bool(jnp.array_equal(getattr(got, n), getattr(want, n)))
                    for n in ("block_expert", "row_token", "row_weight", "pair_row"))
-        knobs = "" if (warps, chunk) == (routing_triton.NUM_WARPS, routing_triton.PAIR_CHUNK) else \
-            f" warps {warps} chunk {chunk}"
+        knobs = "" if (warps, chunk) == default else f" warps {warps} chunk {chunk}"
         rows.append(dict(t=t, variant=f"align_kernel block_m {bm}{knobs}", same_as_model=same,
                          **device_time(f_kernel, ref_idx, ref_w)))
     for r in rows[first:]:

@@ -274,3 +274,21 @@ def test_seesaw_direct_write_vs_float64(dtype, heads, sq, causal, lens):
   for a, b in zip(*runs):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert_matches_float64(*runs[0], q, cache, table, lens_a, causal)
+
+
+@pytest.mark.parametrize("num_warps", [4, 8])
+@pytest.mark.parametrize("batch,num_parts,cut", [(1, 1, 0), (13, 40, 5), (128, 132, 0), (130, 66, 5),
+                                               (1100, 264, 5)])
+def test_schedule_kernel_matches_xla_on_gpu(batch, num_parts, cut, num_warps):
+  """The compiled split-KV schedule kernel (several programs of shares, one or two chunks of sequences) gives the
+  XLA reference's prefix sums, payload and shares, with zero-length sequences and any warp count."""
+  from pallas_kernels.mla_decode import mosaic_sm90, split_kv
+  rng = np.random.default_rng(batch + num_parts)
+  lens = rng.integers(0, 700, batch).astype(np.int32)
+  lens[rng.random(batch) < 0.3] = 0
+  cu_ref, sched_ref = (np.asarray(x) for x in mosaic_sm90.schedule(jnp.asarray((lens + 63) // 64), num_parts, cut))
+  cu, sched, payload = (np.asarray(x) for x in split_kv.schedule_kernel(
+      jnp.asarray(lens), num_parts, page=64, cut_pages=cut, num_warps=num_warps))
+  np.testing.assert_array_equal(cu[:batch + 1], cu_ref)
+  np.testing.assert_array_equal(sched[:, :num_parts].T, sched_ref)
+  assert payload[0] == np.asarray(mosaic_sm90.share_pages(jnp.asarray(cu_ref), num_parts, cut))

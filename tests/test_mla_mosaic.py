@@ -97,11 +97,12 @@ def test_combine_matches_one_softmax():
 
 
 @pytest.mark.parametrize("batch,num_parts,cut", [(1, 1, 0), (7, 3, 0), (13, 40, 0), (130, 132, 0), (5, 33, 0),
-                                               (13, 40, 5), (130, 66, 5)])
+                                               (13, 40, 5), (130, 66, 5), (1023, 7, 0), (1100, 264, 5)])
 def test_schedule_kernel_matches_xla(batch, num_parts, cut):
   """split_kv.schedule_kernel (Pallas, interpret mode) == schedule (XLA): prefix sums, payload, every share's
   (begin, end, b_first, b_last), with zero-length sequences (also at both ends), lengths past a page boundary,
-  more shares than pages, a batch over one 128-sequence chunk, and cuts charged (cut_pages) or not."""
+  more shares than pages, several programs of shares, a batch that fills one chunk of sequences exactly (1023 and
+  cu[B]) and one over a chunk (1100: two chunks, each loaded up front), and cuts charged (cut_pages) or not."""
   rng = np.random.default_rng(batch * 1000 + num_parts)
   lens = rng.integers(0, 700, batch).astype(np.int32)
   lens[rng.random(batch) < 0.3] = 0

@@ -5,8 +5,10 @@ share p covers flat pages [p * payload, (p + 1) * payload) and sequences b_first
 smallest that covers the batch or up to SNAP_CANDIDATES - 1 pages more where that cuts fewer sequences
 (mosaic_sm90.share_pages has the rule; a cut costs more where the kernel writes whole sequences' outputs itself).
 `schedule_kernel` computes the page prefix sums, the payload and every share's (begin, end, b_first, b_last) in one
-program; plain XLA needs ~7 small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference
-the tests compare it with).
+launch; plain XLA needs ~7 small fusions of ~1.5 µs each on the H200 (mosaic_sm90.schedule is the XLA reference
+the tests compare it with). The kernel is latency-bound: each of its programs loads all lengths at once (one
+memory round trip), computes the prefix sums and the payload itself, all candidate payloads side by side, and
+then the sequences of SCHEDULE_SHARES shares or fewer; the few reductions, each a barrier, are its time.
 
 Merge: sequence b (flat pages [cu[b], cu[b+1])) has partials from shares p = cu[b] // payload ...
 (cu[b+1] - 1) // payload, stored at entries e = p + b. Each partial is normalized (o) with its log2-domain
@@ -20,8 +22,9 @@ One pass instead of ~10 XLA fusions (segment reductions over scatters, a transpo
 on the H200 against ~5 µs for this kernel (NOTES.md); mosaic_sm90._combine is the plain-XLA reference the tests
 compare it with.
 
-Pallas Triton needs every loaded or stored array to have a power-of-two size: the schedule walks sequences in
-chunks of SEQ_CHUNK (lens padded with zeros to a multiple of it) and shares padded to a power of two.
+Pallas Triton needs every loaded or stored array to have a power-of-two size: the schedule loads the lengths in
+chunks of a power of two >= B + 1 (SEQ_CHUNK the most; masked loads read zeros past the batch) and pads the shares
+to a power of two.
 """
 from __future__ import annotations
 
@@ -50,7 +53,10 @@ COLS = 128          # latent columns per program (merge), the most
 MERGE_MIN_PROGRAMS = 256
 MERGE_WARPS = 4     # the merge program's Triton configuration
 MERGE_STAGES = 1
-SEQ_CHUNK = 32      # sequences per step of the schedule kernel ([shares, 32] compares: no spills)
+SEQ_CHUNK = 1024    # the schedule kernel's sequences a chunk (larger batches take several, each loaded up front)
+SCHEDULE_SHARES = 32       # shares a schedule program, the most
+SCHEDULE_COMPARES = 8192   # ... and at most this many [shares, chunk] compares (32 a thread at 8 warps)
+SCHEDULE_WARPS = 8
 SNAP_CANDIDATES = 8  # payloads tried: base .. base + 7 pages a share (base = ceil(total pages / shares))
 SEGMENT_PAGES = 2    # what one (share, sequence) segment costs, in pages (fp8 h128 b64 on an H200, NOTES.md)
 # what cutting a sequence over shares costs on top, in pages of a share's time, where the kernel writes the output of
@@ -198,83 +204,87 @@ def merge_partials(o_part: jax.Array, lse2_part: jax.Array, cu: jax.Array, paylo
 
 
 def _schedule_kernel(lens_ref, cu_ref, sched_ref, payload_ref, *, batch: int, num_parts: int, page: int,
-                     chunks: int, parts_padded: int, cut_pages: int):
-  def pages_of(c):
-    lens = lens_ref[pl.ds(c * SEQ_CHUNK, SEQ_CHUNK)]                   # zeros past the batch
-    return (lens + page - 1) // page
+                     chunk: int, chunks: int, shares: int, cut_pages: int):
+  # every program computes the prefix sums and the payload (a few reductions; the kernel is latency-bound, so
+  # redundant work in parallel beats a second launch), then (begin, end, b_first, b_last) of its `shares` shares
+  me = pl.program_id(0)
+  s_iota = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  # all loads first: one memory round trip, not one a chunk
+  lens = [pltriton.load(lens_ref.at[c * chunk + s_iota], mask=c * chunk + s_iota < batch, other=0)
+          for c in range(chunks)]
+  pages = [(x + page - 1) // page for x in lens]                       # [S] each, zeros past the batch
+  incl, before = [], jnp.int32(0)                                      # incl[c][s] = cu[c * S + s + 1]
+  for pg in pages:
+    incl.append(jnp.cumsum(pg) + before)
+    before = before + jnp.sum(pg)
+  total = before
+  nonempty = sum(jnp.sum((pg > 0).astype(jnp.int32)) for pg in pages)
 
-  total = lax.fori_loop(0, chunks, lambda c, t: t + jnp.sum(pages_of(c)), jnp.int32(0))
+  # the payload: share_pages' rule (the first candidate of the lowest modelled time), all candidates at once
   base = jnp.maximum(1, (total + num_parts - 1) // num_parts)
-  cand = base + lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0)
-
-  def count_segments(c, carry):
-    # per candidate payload: the (share, sequence) segments of the sequences in chunk c; the sequences with pages
-    before, segments, nonempty = carry
-    pg = pages_of(c)
-    incl = jnp.cumsum(pg) + before
-    first, last = (incl - pg)[None, :] // cand[:, None], (incl - 1)[None, :] // cand[:, None]
+  k_iota = lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0)
+  cand = base + k_iota
+  segments = jnp.zeros((SNAP_CANDIDATES,), jnp.int32)
+  for pg, inc in zip(pages, incl):        # (share, sequence) segments a candidate makes: last share - first + 1
+    first, last = (inc - pg)[None, :] // cand[:, None], (inc - 1)[None, :] // cand[:, None]
     segments += jnp.sum(jnp.where(pg[None, :] > 0, last - first + 1, 0), axis=1)
-    return before + jnp.sum(pg), segments, nonempty + jnp.sum((pg > 0).astype(jnp.int32))
+  n_shares = jnp.maximum(1, (total + cand - 1) // cand)
+  nums = cand * n_shares + SEGMENT_PAGES * segments + cut_pages * (segments - nonempty)  # time x shares
+  # candidate i wins iff its time nums_i / shares_i is below every earlier one's and not above any later one's
+  lhs, rhs = nums[:, None] * n_shares[None, :], nums[None, :] * n_shares[:, None]      # [i, j]: time_i vs time_j
+  earlier = k_iota[None, :] < k_iota[:, None]
+  beats = jnp.where(earlier, lhs < rhs, lhs <= rhs)
+  wins = jnp.sum(beats.astype(jnp.int32), axis=1) == SNAP_CANDIDATES
+  payload = jnp.sum(jnp.where(wins, cand, 0))
 
-  _, segments, nonempty = lax.fori_loop(0, chunks, count_segments,
-                                        (jnp.int32(0), jnp.zeros((SNAP_CANDIDATES,), jnp.int32), jnp.int32(0)))
-  shares = jnp.maximum(1, (total + cand - 1) // cand)
-  nums = cand * shares + SEGMENT_PAGES * segments + cut_pages * (segments - nonempty)
-  pick = lambda v, i: jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (SNAP_CANDIDATES,), 0) == i, v, 0))
-  payload, best_num, best_shares = base, pick(nums, 0), pick(shares, 0)
-  for i in range(1, SNAP_CANDIDATES):      # mosaic_sm90.share_pages: the first candidate of the lowest time
-    num, sh = pick(nums, i), pick(shares, i)
-    better = num * best_shares < best_num * sh
-    payload = jnp.where(better, base + i, payload)
-    best_num, best_shares = jnp.where(better, num, best_num), jnp.where(better, sh, best_shares)
-  p = lax.broadcasted_iota(jnp.int32, (parts_padded,), 0)
+  p = me * shares + lax.broadcasted_iota(jnp.int32, (shares,), 0)
   begin = jnp.minimum(p * payload, total)
   end = jnp.minimum(begin + payload, total)
-
-  def prefix(c, carry):
-    # cu[b] (exclusive prefix sums) and, per share, how many sequences end at or before begin / end - 1
-    before, n_first, n_last = carry
-    pg = pages_of(c)
-    incl = jnp.cumsum(pg) + before                                     # [SEQ_CHUNK] = cu[b + 1]
-    cu_ref[pl.ds(c * SEQ_CHUNK, SEQ_CHUNK)] = incl - pg
-    n_first += jnp.sum((incl[None, :] <= begin[:, None]).astype(jnp.int32), axis=1)
-    n_last += jnp.sum((incl[None, :] <= (end - 1)[:, None]).astype(jnp.int32), axis=1)
-    return before + jnp.sum(pg), n_first, n_last
-
-  zeros = jnp.zeros((parts_padded,), jnp.int32)
-  _, n_first, n_last = lax.fori_loop(0, chunks, prefix, (jnp.int32(0), zeros, zeros))
-  # padded sequences (no pages) count only where begin == total, an empty share: the clip absorbs them
+  # per share, the sequences that end at or before begin / end - 1 (padded sequences count only where
+  # begin == total, an empty share: the clip absorbs them)
+  n_first = sum(jnp.sum((inc[None, :] <= begin[:, None]).astype(jnp.int32), axis=1) for inc in incl)
+  n_last = sum(jnp.sum((inc[None, :] <= (end - 1)[:, None]).astype(jnp.int32), axis=1) for inc in incl)
   b_first = jnp.minimum(n_first, batch - 1)
   b_last = jnp.where(end > begin, jnp.minimum(n_last, batch - 1), b_first - 1)
   for i, v in enumerate((begin, end, b_first, b_last)):
-    sched_ref[i, :] = v
-  payload_ref[...] = jnp.full((1,), payload, jnp.int32)
+    sched_ref[i, pl.ds(me * shares, shares)] = v
+
+  @pl.when(me == 0)
+  def _():
+    for c, (pg, inc) in enumerate(zip(pages, incl)):
+      cu_ref[pl.ds(c * chunk, chunk)] = inc - pg
+    payload_ref[...] = jnp.full((1,), payload, jnp.int32)
 
 
-def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bool = False, cut_pages: int = 0
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def schedule_kernel(lens: jax.Array, num_parts: int, *, page: int, interpret: bool = False, cut_pages: int = 0,
+                    num_warps: int = SCHEDULE_WARPS) -> tuple[jax.Array, jax.Array, jax.Array]:
   """lens int32 [B] (clipped to the table) -> cu int32 [>= B+1] (page prefix sums, cu[B] = total pages),
   sched int32 [4, P'] (rows begin, end, b_first, b_last of share p < num_parts; P' = num_parts padded to a
   power of two), payload int32 [1]. Same values as mosaic_sm90.schedule. cut_pages: the payload rule's cost of a
-  sequence cut over shares (CUT_PAGES_DIRECT for a kernel that writes whole sequences' outputs itself; else 0)."""
+  sequence cut over shares (CUT_PAGES_DIRECT for a kernel that writes whole sequences' outputs itself; else 0).
+  num_warps: the Triton programs' warps (tuning; any value gives the same schedule)."""
   batch = lens.shape[0]
-  chunks = batch // SEQ_CHUNK + 1                     # room for cu[B]
-  lens = jnp.pad(lens.astype(jnp.int32), (0, chunks * SEQ_CHUNK - batch))
+  if batch < 1 or num_parts < 1:
+    raise ValueError(f"schedule_kernel: needs at least one sequence and one share, got batch {batch} and "
+                     f"num_parts {num_parts}")
+  chunk = min(SEQ_CHUNK, 1 << batch.bit_length())    # a power of two >= B + 1 where one chunk holds the batch
+  chunks = batch // chunk + 1                         # room for cu[B]
   parts_padded = 1 << (num_parts - 1).bit_length()
+  shares = min(parts_padded, SCHEDULE_SHARES, max(1, SCHEDULE_COMPARES // chunk))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     return pl.pallas_call(
-        functools.partial(_schedule_kernel, batch=batch, num_parts=num_parts, page=page, chunks=chunks,
-                          parts_padded=parts_padded, cut_pages=int(cut_pages)),
-        grid=(1,),
+        functools.partial(_schedule_kernel, batch=batch, num_parts=num_parts, page=page, chunk=chunk, chunks=chunks,
+                          shares=shares, cut_pages=int(cut_pages)),
+        grid=(parts_padded // shares,),
         in_specs=[pl.BlockSpec(lens.shape, lambda i: (0,))],
-        out_specs=[pl.BlockSpec((chunks * SEQ_CHUNK,), lambda i: (0,)),
+        out_specs=[pl.BlockSpec((chunks * chunk,), lambda i: (0,)),
                    pl.BlockSpec((4, parts_padded), lambda i: (0, 0)),
                    pl.BlockSpec((1,), lambda i: (0,))],
-        out_shape=[jax.ShapeDtypeStruct((chunks * SEQ_CHUNK,), jnp.int32),
+        out_shape=[jax.ShapeDtypeStruct((chunks * chunk,), jnp.int32),
                    jax.ShapeDtypeStruct((4, parts_padded), jnp.int32),
                    jax.ShapeDtypeStruct((1,), jnp.int32)],
         interpret=bool(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=int(num_warps), num_stages=1),
         name="mla_decode_split_schedule",
-    )(lens)
+    )(lens.astype(jnp.int32))

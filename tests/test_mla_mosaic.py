@@ -115,12 +115,12 @@ def test_schedule_kernel_matches_xla(batch, num_parts, cut):
   assert payload[0] == np.asarray(ms.share_pages(jnp.asarray(cu_ref), num_parts, cut))
 
 
-
 def test_schedule_kernel_refuses_an_empty_batch_or_no_shares():
   with pytest.raises(ValueError, match="at least one sequence and one share"):
     ms.schedule_kernel(jnp.zeros((0,), jnp.int32), 4, page=64, interpret=True)
   with pytest.raises(ValueError, match="at least one sequence and one share"):
     ms.schedule_kernel(jnp.ones((3,), jnp.int32), 0, page=64, interpret=True)
+
 
 def _snapped_payload(pages, num_parts, cut=0):
   """share_pages' rule, written out with exact fractions: the first payload in base .. base + 7 of the lowest

@@ -37,14 +37,6 @@ SHAPES = (("fp8 h16 b128 L4096", 128, 4096, False, 16, "swapped"),
 WARPS = (split_kv.SCHEDULE_WARPS, 4, 2)
 
 
-def shares_of(rows: int, kernel: str) -> tuple[int, int]:
-  """(num_parts, cut_pages) mosaic_sm90 uses for a call with `rows` query rows a sequence on this GPU."""
-  if kernel == "swapped":
-    return mosaic_sm90.make_plan(rows, True).num_parts, 0
-  plan = mosaic_sm90.mosaic_sm90_seesaw.make_plan(rows, num_sms=mosaic_sm90._num_sms(), fp8=True)
-  return plan.num_parts, mosaic_sm90._cut_pages(plan)
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True)
@@ -56,7 +48,7 @@ def main():
   rows = []
   for name, batch, length, ragged, qrows, kernel in SHAPES:
     lens = jnp.asarray(variant_lens(batch, length, ragged), jnp.int32)
-    parts, cut = shares_of(qrows, kernel)
+    parts, cut = mosaic_sm90.schedule_shares(qrows, True, kernel)
     xla = jax.jit(lambda n, parts=parts, cut=cut: mosaic_sm90.schedule((n + mosaic_sm90.PAGE - 1) // mosaic_sm90.PAGE,
                                                                         parts, cut))
     cu_ref, sched_ref = (np.asarray(x) for x in xla(lens))
@@ -64,14 +56,13 @@ def main():
         n, parts, page=mosaic_sm90.PAGE, cut_pages=cut, num_warps=w))) for w in WARPS]
     for label, fn in variants + [("xla", xla)]:
       out = [np.asarray(x) for x in fn(lens)]
-      if label == "xla":
-        same = True
-      else:
-        same = (np.array_equal(out[0][:batch + 1], cu_ref) and np.array_equal(out[1][:, :parts].T, sched_ref))
+      same = None if label == "xla" else (np.array_equal(out[0][:batch + 1], cu_ref)       # None: the reference
+                                          and np.array_equal(out[1][:, :parts].T, sched_ref))
       t = device_time(fn, lens, iters=args.iters)
       rows.append(dict(shape=name, batch=batch, num_parts=parts, cut_pages=cut, variant=label, us=t["us"],
                        method=t["method"], kernels=t.get("kernels"), same_as_xla=same))
-      print(f"{name:30s} parts {parts:3d}  {label:16s} {t['us']:7.2f} us  same as xla: {same}", flush=True)
+      print(f"{name:30s} parts {parts:3d}  {label:16s} {t['us']:7.2f} us  "
+            f"{'(reference)' if same is None else f'same as xla: {same}'}", flush=True)
   with open(args.out, "w") as f:
     json.dump(dict(info=info, rows=rows), f, indent=1)
   labels = [r["variant"] for r in rows if r["shape"] == SHAPES[0][0]]

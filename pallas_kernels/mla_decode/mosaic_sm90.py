@@ -1067,11 +1067,19 @@ def make_schedule(seq_lens: jax.Array, max_pages: int, *, rows: int, fp8: bool, 
   seq_lens and the shapes, so one decode step computes it once for all its layers (FlashMLA's get_mla_metadata).
   kernel: as mla_decode's (the swapped kernel splits the pages into other numbers of shares than the two 64-row
   kernels)."""
+  num_parts, cut_pages = schedule_shares(rows, fp8, kernel)
+  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
+  return schedule_kernel(lens, num_parts, page=PAGE, interpret=bool(interpret), cut_pages=cut_pages)
+
+
+def schedule_shares(rows: int, fp8: bool, kernel: str = "auto") -> tuple[int, int]:
+  """(num_parts, cut_pages) of the split-KV schedule of a call with `rows` = Sq * H query rows per sequence on this
+  GPU, for the kernel `kernel` (as mla_decode's) picks: its default plan's share count and the payload rule's cost
+  of a cut sequence."""
   which = choose_kernel(rows, fp8, kernel)
   plan = (ROWS_KERNELS[which].make_plan(rows, num_sms=_num_sms(), fp8=fp8) if which in ROWS_KERNELS
           else make_plan(rows, fp8))
-  lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * PAGE)
-  return schedule_kernel(lens, plan.num_parts, page=PAGE, interpret=bool(interpret), cut_pages=_cut_pages(plan))
+  return plan.num_parts, _cut_pages(plan)
 
 
 def _cut_pages(plan) -> int:
